@@ -1,0 +1,1 @@
+"""The `weir` command line (Typer)."""

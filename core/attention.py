@@ -1,0 +1,96 @@
+"""The attention-backend interface, and the per-step metadata every backend receives.
+
+A backend turns one step's inputs into its own metadata once (``build_metadata``), then runs
+``forward`` for every attention layer with that metadata. Models never see backend internals:
+they call ``Attention`` (``weir.layers.attention``), which calls the backend.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    """What a full-attention layer needs from the backend and from the KV cache."""
+
+    layer_idx: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    kind: str = "full_attention"
+
+
+@dataclass
+class AttentionMetadata:
+    """Step inputs shared by every attention layer of one forward.
+
+    Requests are laid out in batch order; request ``i`` owns query tokens
+    ``query_start_loc[i]:query_start_loc[i+1]``, and after this step its cache holds
+    ``seq_lens[i]`` tokens (the computed prefix plus the tokens scheduled now).
+    """
+
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, device
+    seq_lens: torch.Tensor  # [num_reqs] int32, device
+    block_tables: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, device
+    slot_mapping: torch.Tensor  # [num_tokens] int64, device; -1 = padding, not stored
+    num_reqs: int
+    num_tokens: int
+    # Host-side bounds the scheduler knows exactly; reading them needs no device sync.
+    max_query_len: int
+    max_seq_len: int
+
+
+class AttentionBackend(ABC):
+    """A way to compute attention over the paged KV cache.
+
+    Subclasses declare the devices and layer kinds they support; the platform picks the first
+    of its preferred backends that supports every attention layer of the model.
+    """
+
+    name: ClassVar[str]
+    supported_devices: ClassVar[frozenset[str]]
+    supported_layer_kinds: ClassVar[frozenset[str]] = frozenset({"full_attention"})
+
+    def __init__(self, block_size: int, dtype: torch.dtype, device: torch.device):
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+
+    @classmethod
+    def supports(cls, device_type: str, layer_kinds: set[str]) -> bool:
+        return device_type in cls.supported_devices and layer_kinds <= cls.supported_layer_kinds
+
+    def kv_cache_shape(self, num_blocks: int, layer: AttentionLayerSpec) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor: K and V stacked on the first axis."""
+        return (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+
+    def build_metadata(self, metadata: AttentionMetadata) -> AttentionMetadata:
+        """Once per step: derive whatever the backend needs beyond the common metadata."""
+        return metadata
+
+    @abstractmethod
+    def forward(
+        self,
+        layer: AttentionLayerSpec,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # kv_cache_shape(...)
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Store this step's K/V into the cache at ``slot_mapping``, then attend causally."""
+
+
+@dataclass
+class ForwardContext:
+    """Everything a model's layers need for one forward, passed explicitly (no globals)."""
+
+    attn_backend: AttentionBackend
+    attn_metadata: AttentionMetadata
+    kv_caches: list[torch.Tensor]  # indexed by layer_idx

@@ -1,0 +1,195 @@
+"""Engine configuration: user options in, frozen config dataclasses out, built in one place.
+
+``EngineArgs`` holds the options as the user gives them (the CLI flags map 1:1 onto its
+fields, and ``weir.LLM(**options)`` takes the same names). ``EngineArgs.create_config()``
+reads the checkpoint's HF config and returns an ``EngineConfig``; nothing writes back into
+either afterwards (runtime facts such as the number of KV blocks live in the runner).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # what the user named: a folder, a .gguf file, or the default model's name
+    weights_path: Path  # checkpoint folder, or the .gguf file
+    tokenizer_path: Path
+    architecture: str
+    hf_config: Any  # transformers.PretrainedConfig; read-only by convention
+    dtype: torch.dtype
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    served_model_name: str
+    chat_template: str | None = None  # overrides the tokenizer's own template when set
+    load_format: str = "auto"  # "auto" (safetensors or gguf by what is there)
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.weights_path.suffix == ".gguf"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    enable_prefix_caching: bool
+    kv_cache_memory_bytes: int | None  # None: size from the platform's free memory
+    gpu_memory_utilization: float
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    async_scheduling: bool  # prepare step N+1 while step N runs; stops apply one step late
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: str | None  # platform name forced by the user, or None for auto-detection
+    attention_backend: str | None
+    moe_backend: str | None
+    seed: int
+    max_logprobs: int
+    enforce_eager: bool
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass
+class EngineArgs:
+    """Every engine option, named as vLLM names it. CLI flags are generated from these fields."""
+
+    model: str | None = field(default=None, metadata=_help(
+        "HF checkpoint folder or .gguf file; default: the built-in SmolLM2-135M-Instruct"))
+    tokenizer: str | None = field(default=None, metadata=_help("tokenizer folder (default: the model's)"))
+    served_model_name: str | None = field(default=None, metadata=_help("model name reported to clients"))
+    chat_template: str | None = field(default=None, metadata=_help("Jinja chat template file or string"))
+    device: str | None = field(default=None, metadata=_help("platform: cpu, cuda, rocm, xpu (default: detect)"))
+    dtype: str = field(default="auto", metadata=_help("auto, float32, bfloat16, float16"))
+    max_model_len: int | None = field(default=None, metadata=_help("context length (default: the model's)"))
+    max_num_seqs: int = field(default=256, metadata=_help("requests in one batch at most"))
+    max_num_batched_tokens: int | None = field(default=None, metadata=_help(
+        "tokens in one step at most (default: 8192 on CPU, 16384 otherwise)"))
+    block_size: int = field(default=16, metadata=_help("tokens per KV cache block"))
+    enable_prefix_caching: bool = field(default=True, metadata=_help("reuse KV of shared prompt prefixes"))
+    kv_cache_memory_bytes: int | None = field(default=None, metadata=_help(
+        "KV cache size in bytes (default: from free memory)"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_help(
+        "fraction of accelerator memory Weir may use"))
+    async_scheduling: bool = field(default=True, metadata=_help(
+        "schedule the next step while the current one runs"))
+    tensor_parallel_size: int = field(default=1, metadata=_help("devices to shard the model over"))
+    attention_backend: str | None = field(default=None, metadata=_help("attention backend (default: platform's)"))
+    moe_backend: str | None = field(default=None, metadata=_help("MoE backend (default: platform's)"))
+    seed: int = field(default=0, metadata=_help("seed for requests that set none"))
+    max_logprobs: int = field(default=20, metadata=_help("most top logprobs a request may ask for"))
+    enforce_eager: bool = field(default=False, metadata=_help("no graphs"))
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_options(cls, model: str | None = None, **options: Any) -> "EngineArgs":
+        unknown = set(options) - cls.field_names()
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}; "
+                            f"known: {', '.join(sorted(cls.field_names()))}")
+        return cls(model=model, **options)
+
+    def create_config(self, platform_device_type: str = "cpu") -> EngineConfig:
+        from weir.model_files import resolve_model_files
+
+        self._validate()
+        files = resolve_model_files(self.model, self.tokenizer)
+        hf_config = files.hf_config
+        architecture = files.architecture
+        dtype = _resolve_dtype(self.dtype, hf_config, platform_device_type)
+        model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 4096
+        max_model_len = self.max_model_len or model_max
+        if max_model_len > model_max:
+            raise ValueError(f"max_model_len={max_model_len} is longer than the model's "
+                             f"max_position_embeddings={model_max}")
+        default_tokens = 8192 if platform_device_type == "cpu" else 16384
+        max_batched = self.max_num_batched_tokens or default_tokens
+        chat_template = self.chat_template
+        if chat_template is not None and os.path.isfile(chat_template):
+            chat_template = Path(chat_template).read_text()
+        model_cfg = ModelConfig(
+            model=files.display_name, weights_path=files.weights_path,
+            tokenizer_path=files.tokenizer_path, architecture=architecture, hf_config=hf_config,
+            dtype=dtype, max_model_len=max_model_len, eos_token_ids=files.eos_token_ids,
+            served_model_name=self.served_model_name or files.display_name,
+            chat_template=chat_template or files.chat_template,
+        )
+        return EngineConfig(
+            model=model_cfg,
+            cache=CacheConfig(self.block_size, self.enable_prefix_caching,
+                              self.kv_cache_memory_bytes, self.gpu_memory_utilization),
+            scheduler=SchedulerConfig(self.max_num_seqs, max_batched, max_model_len,
+                                      self.async_scheduling),
+            parallel=ParallelConfig(self.tensor_parallel_size),
+            device=self.device, attention_backend=self.attention_backend,
+            moe_backend=self.moe_backend, seed=self.seed, max_logprobs=self.max_logprobs,
+            enforce_eager=self.enforce_eager,
+        )
+
+    def _validate(self) -> None:
+        positive = ["max_num_seqs", "block_size", "tensor_parallel_size"]
+        for name in positive + ["max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"]:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.dtype not in _DTYPES and self.dtype != "auto":
+            raise ValueError(f"dtype must be auto or one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+
+
+def _resolve_dtype(name: str, hf_config: Any, device_type: str) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device_type == "cpu":
+        # CPUs without bf16 units run half types far slower than fp32, and fp32 is the
+        # reference precision; ask for bfloat16 explicitly to use it.
+        return torch.float32
+    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(config_dtype, str):
+        config_dtype = _DTYPES.get(config_dtype)
+    if config_dtype in (None, torch.float32):
+        return torch.bfloat16
+    return config_dtype

@@ -1,0 +1,208 @@
+"""The engine: validates and tokenizes requests, drives schedule -> execute -> update, and
+turns sampled tokens into text.
+
+With async scheduling one step stays in flight: the engine launches step N+1 before it reads
+step N's tokens back, so the host's work overlaps the device's.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from weir.config import EngineArgs, EngineConfig
+from weir.detokenizer import IncrementalDetokenizer
+from weir.kv_cache import KVCacheManager
+from weir.outputs import CompletionOutput, Logprob, RequestOutput
+from weir.request import Request, RequestStatus
+from weir.runner.model_runner import ModelRunner
+from weir.sampling_params import SamplingParams
+from weir.scheduler import Scheduler
+from weir.scheduler.scheduler import RequestUpdate
+from weir.tokenizer import encode_prompt, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Child:
+    """One of a request's ``n`` completions: its own scheduler request and detokenizer."""
+
+    index: int
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float | None
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[_Child] = field(default_factory=list)
+
+    def output(self) -> RequestOutput:
+        completions = []
+        for child in self.children:
+            request = child.request
+            finish_reason = request.status.value if request.is_finished else None
+            completions.append(CompletionOutput(
+                index=child.index, text=child.detokenizer.output_text,
+                token_ids=list(request.output_token_ids), cumulative_logprob=child.cumulative_logprob,
+                logprobs=child.logprobs, finish_reason=finish_reason, stop_reason=request.stop_reason,
+            ))
+        finished = all(child.request.is_finished for child in self.children)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, platform, model_cls: type, attn_backend_cls: type):
+        self.config = config
+        self.platform = platform
+        self.model_config = config.model
+        self.tokenizer = load_tokenizer(config.model)
+        self.runner = ModelRunner(config, platform, model_cls, attn_backend_cls)
+        kv_cache = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                  config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, kv_cache)
+        self._rng = random.Random(config.seed)
+        self._in_flight: deque = deque()
+        self._parents: dict[str, _Parent] = {}
+        self._child_of: dict[str, tuple[_Parent, _Child]] = {}
+
+    @classmethod
+    def from_options(cls, model: str | None = None, **options) -> "LLMEngine":
+        from weir.plugin_manager import load_plugins
+
+        args = EngineArgs.from_options(model, **options)
+        registry = load_plugins()
+        platform = registry.select_platform(args.device)
+        config = args.create_config(platform.device_type)
+        model_cls = registry.resolve_model(config.model.architecture)
+        attn_backend_cls = registry.select_attention_backend(platform, {"full_attention"}, args.attention_backend)
+        logger.info("model %s (%s) on %s, attention backend %s", config.model.model,
+                    config.model.architecture, platform.name, attn_backend_cls.name)
+        return cls(config, platform, model_cls, attn_backend_cls)
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        """A prompt is a string, or a dict with ``prompt_token_ids`` (or ``prompt``)."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                token_ids = prompt["prompt_token_ids"]
+                if not isinstance(token_ids, (list, tuple)) or not all(
+                        isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                return prompt.get("prompt"), list(token_ids)
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
+        if not isinstance(prompt, str):
+            raise ValueError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
+        return prompt, encode_prompt(self.tokenizer, prompt)
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
+        self._validate(prompt_token_ids, params)
+        max_model_len = self.config.scheduler.max_model_len
+        room = max_model_len - len(prompt_token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        eos = frozenset() if params.ignore_eos else frozenset(self.model_config.eos_token_ids)
+        parent = _Parent(request_id, prompt_text, prompt_token_ids)
+        for index in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}-{index}"
+            seed = self._rng.getrandbits(63) if params.seed is None else params.seed + index
+            request = Request(child_id, list(prompt_token_ids), params, eos, max_tokens, seed)
+            want_logprobs = params.logprobs is not None
+            child = _Child(index, request, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+                           [] if want_logprobs else None, 0.0 if want_logprobs else None)
+            parent.children.append(child)
+        for child in parent.children:
+            self.scheduler.add_request(child.request)
+            self._child_of[child.request.request_id] = (parent, child)
+        self._parents[request_id] = parent
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        max_model_len = self.config.scheduler.max_model_len
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_token_ids) >= max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len is "
+                             f"{max_model_len}: it must be shorter to leave room for output")
+        vocab_size = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs={params.logprobs} is more than max_logprobs={self.config.max_logprobs}")
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids entry {bad_stop[0]} is outside the vocabulary [0, {vocab_size})")
+
+    def abort_request(self, request_ids) -> None:
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            parent = self._parents.pop(request_id, None)
+            if parent is None:
+                continue
+            for child in parent.children:
+                self._child_of.pop(child.request.request_id, None)
+                self.scheduler.finish_request(child.request.request_id, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request, step in flight, or runner row still needs a step."""
+        return bool(self._parents) or bool(self._in_flight) or self.scheduler.has_rows_to_release()
+
+    # ---- the step loop -----------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the current state of every request that changed."""
+        scheduler_output = self.scheduler.schedule()
+        handle = self.runner.execute(scheduler_output)
+        if handle is not None:
+            self._in_flight.append((scheduler_output, handle))
+        keep_in_flight = 1 if (self.config.scheduler.async_scheduling and handle is not None) else 0
+        changed: dict[str, _Parent] = {}
+        while len(self._in_flight) > keep_in_flight:
+            done_output, done_handle = self._in_flight.popleft()
+            for update in self.scheduler.update(done_output, done_handle.get()):
+                parent = self._apply_update(update)
+                if parent is not None:
+                    changed[parent.request_id] = parent
+        outputs = []
+        for parent in changed.values():
+            output = parent.output()
+            if output.finished:
+                self._parents.pop(parent.request_id, None)
+                for child in parent.children:
+                    self._child_of.pop(child.request.request_id, None)
+            outputs.append(output)
+        return outputs
+
+    def _apply_update(self, update: RequestUpdate) -> _Parent | None:
+        entry = self._child_of.get(update.request.request_id)
+        if entry is None:
+            return None  # aborted meanwhile
+        parent, child = entry
+        for token_id in update.new_token_ids:
+            child.detokenizer.append(token_id)
+        for ids, values, rank in update.new_logprobs:
+            entry_logprobs = {}
+            for position, (token_id, value) in enumerate(zip(ids, values)):
+                if token_id in entry_logprobs:
+                    continue
+                entry_logprobs[token_id] = Logprob(value, rank if position == 0 else position,
+                                                   self.tokenizer.decode([token_id]))
+            child.logprobs.append(entry_logprobs)
+            child.cumulative_logprob += values[0]
+        stop = child.detokenizer.stop_string_hit
+        if stop is not None and not update.request.is_finished:
+            self.scheduler.finish_request(update.request.request_id, RequestStatus.FINISHED_STOPPED, stop)
+        return parent

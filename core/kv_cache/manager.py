@@ -1,0 +1,73 @@
+"""Maps requests onto KV blocks: prefix-cache lookups, slot allocation, freeing."""
+
+from __future__ import annotations
+
+from weir.kv_cache.block_pool import BlockPool
+from weir.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.num_usable_blocks * self.block_size
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest run of cached full blocks at the start of the request.
+
+        At least one token is always left to compute, so the step produces logits to sample from.
+        """
+        if not self.pool.enable_prefix_caching or request.num_computed_tokens > 0:
+            return [], 0
+        hashes = request.update_block_hashes(self.block_size)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hit_blocks = []
+        for block_hash in hashes[:max_hit_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hit_blocks.append(block_id)
+        self.pool.num_queries += request.num_tokens
+        self.pool.num_hits += len(hit_blocks) * self.block_size
+        return hit_blocks, len(hit_blocks) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[int] | None = None) -> list[int] | None:
+        """Give the request blocks for ``num_new_tokens`` more tokens (after any prefix-hit
+        ``computed_blocks``). Returns the block ids appended to its table, or None when the
+        pool cannot hold them (nothing changes then)."""
+        computed_blocks = computed_blocks or []
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_blocks_needed = self.blocks_for(num_computed + num_new_tokens)
+        num_new_blocks = max(0, num_blocks_needed - len(request.block_ids) - len(computed_blocks))
+        # Touching a cached hit block takes it out of the free queue too.
+        num_hits_in_free_queue = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
+        if num_new_blocks + num_hits_in_free_queue > self.pool.num_free_blocks:
+            return None
+        self.pool.touch(computed_blocks)
+        new_blocks = computed_blocks + self.pool.allocate(num_new_blocks)
+        request.block_ids.extend(new_blocks)
+        self._cache_full_blocks(request, num_computed + num_new_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, num_tokens_after_step: int) -> None:
+        # Only blocks whose every token is known and computed by the end of this step; KV for
+        # a block cached now is written by this step's forward before any later step reads it.
+        num_full = min(num_tokens_after_step, request.num_tokens) // self.block_size
+        if num_full <= request.num_cached_blocks or not self.pool.enable_prefix_caching:
+            return
+        hashes = request.update_block_hashes(self.block_size)
+        for index in range(request.num_cached_blocks, num_full):
+            self.pool.cache_full_block(request.block_ids[index], hashes[index])
+        request.num_cached_blocks = num_full
+
+    def free(self, request: Request) -> None:
+        self.pool.free(request.block_ids)
+        request.block_ids = []
+        request.num_cached_blocks = 0

@@ -1,0 +1,86 @@
+"""Linear layers without initialisation cost, and fused (merged) projections.
+
+Weights are ``torch.empty``: the loader overwrites every element, so random init would only waste
+start-up time. A merged layer runs several projections of the same input as one GEMM, its weight
+the checkpoint's separate weights concatenated along the output dim; the loader writes each
+checkpoint tensor into its shard through ``shard_slice``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T (+ b)`` with ``weight [out_features, in_features]`` as in ``nn.Linear``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)  # [..., out_features]
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+class MergedLinear(Linear):
+    """Several projections of one input fused into a single GEMM.
+
+    ``shard_sizes`` names each projection's output size in output order, e.g.
+    ``{"gate": 1024, "up": 1024}``. ``forward`` returns the concatenated output; ``split``
+    cuts it back into the named parts.
+    """
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False):
+        super().__init__(in_features, sum(shard_sizes.values()), bias)
+        self.shard_sizes = dict(shard_sizes)
+        self._shard_offsets: dict[str, int] = {}
+        offset = 0
+        for shard_id, size in self.shard_sizes.items():
+            self._shard_offsets[shard_id] = offset
+            offset += size
+
+    @property
+    def shard_ids(self) -> tuple[str, ...]:
+        return tuple(self.shard_sizes)
+
+    def shard_slice(self, shard_id: str) -> slice:
+        """Rows of ``weight`` (and entries of ``bias``) that hold projection ``shard_id``."""
+        if shard_id not in self.shard_sizes:
+            raise KeyError(f"unknown shard {shard_id!r}; this layer has {', '.join(self.shard_sizes)}")
+        start = self._shard_offsets[shard_id]
+        return slice(start, start + self.shard_sizes[shard_id])
+
+    def split(self, output: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``[..., out_features]`` -> one view per shard, in shard order."""
+        return output.split(list(self.shard_sizes.values()), dim=-1)
+
+
+class QKVLinear(MergedLinear):
+    """q, k and v projections as one GEMM; shards ``"q"``, ``"k"``, ``"v"``."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 bias: bool = False):
+        super().__init__(hidden_size, {
+            "q": num_heads * head_dim,
+            "k": num_kv_heads * head_dim,
+            "v": num_kv_heads * head_dim,
+        }, bias)
+
+
+# Checkpoint names of the projections fused above, for a model's ``stacked_params``:
+# (fused param name, checkpoint name, shard id), matched on whole dotted name components.
+QKV_GATE_UP_STACKED_PARAMS: tuple[tuple[str, str, str], ...] = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", "gate"),
+    ("gate_up_proj", "up_proj", "up"),
+)

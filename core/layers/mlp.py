@@ -1,0 +1,36 @@
+"""The gated MLP of Llama-style decoders: ``down(act(gate(x)) * up(x))``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from weir.layers.linear import Linear, MergedLinear
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# hidden_act names as transformers' ACT2FN spells them.
+_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu_pytorch_tanh": _gelu_tanh}
+
+
+class GatedMLP(nn.Module):
+    """gate and up fused into ``gate_up_proj`` (shards ``"gate"``, ``"up"``), then ``down_proj``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu",
+                 bias: bool = False):
+        super().__init__()
+        if hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act={hidden_act!r} is not supported by GatedMLP; "
+                             f"supported: {', '.join(_ACTIVATIONS)}")
+        self.act_fn = _ACTIVATIONS[hidden_act]
+        self.gate_up_proj = MergedLinear(
+            hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # each [num_tokens, intermediate]
+        return self.down_proj(self.act_fn(gate) * up)  # [num_tokens, hidden]

@@ -1,0 +1,81 @@
+"""``weir.LLM``: offline batched generation, shaped like ``vllm.LLM``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from weir.engine import LLMEngine
+from weir.outputs import RequestOutput
+from weir.sampling_params import SamplingParams
+from weir.tokenizer import apply_chat_template
+
+
+class LLM:
+    """``LLM(model, **engine_options)``: model is a checkpoint folder or .gguf file (None: the
+    built-in default model); options are ``weir.config.EngineArgs`` fields, named as vLLM names them."""
+
+    def __init__(self, model: str | None = None, **engine_options):
+        self.engine = LLMEngine.from_options(model, **engine_options)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Prompts: a string, a ``{"prompt_token_ids": [...]}`` dict, or a list of them.
+        Returns one ``RequestOutput`` per prompt, in order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params_list = self._params_per_prompt(sampling_params, len(prompts))
+        request_ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_id = str(next(self._request_counter))
+                self.engine.add_request(request_id, prompt, params)
+                request_ids.append(request_id)
+            return self._run(request_ids, use_tqdm)
+        except BaseException:
+            self.engine.abort_request(request_ids)
+            self._drain()
+            raise
+
+    def chat(self, messages, sampling_params=None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of ``{"role", "content"}``) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        template = chat_template or self.engine.model_config.chat_template
+        prompts = [{"prompt_token_ids": apply_chat_template(self.engine.tokenizer, conversation, template,
+                                                            add_generation_prompt)}
+                   for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    @staticmethod
+    def _params_per_prompt(sampling_params, num_prompts: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * num_prompts
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num_prompts
+        if len(sampling_params) != num_prompts:
+            raise ValueError(f"got {len(sampling_params)} sampling params for {num_prompts} prompts")
+        return list(sampling_params)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        with tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm, unit="req") as progress:
+            while len(finished) < len(wanted):
+                for output in self.engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        progress.update(1)
+        self._drain()
+        return [finished[request_id] for request_id in request_ids]
+
+    def _drain(self) -> None:
+        """Finish the step still in flight, so no request outlives the call that made it."""
+        while self.engine.has_unfinished_requests():
+            self.engine.step()

@@ -1,0 +1,221 @@
+"""Resolve what the user named (a checkpoint folder, a .gguf file, or nothing) into model files.
+
+Weir never downloads a checkpoint: the one exception is its built-in default model, fetched
+once into the cache by ``weir.default_model``. Everything else must already be on disk.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from weir import default_model
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    display_name: str  # what the user named, or the default model's name
+    weights_path: Path  # checkpoint folder, or the .gguf file
+    tokenizer_path: Path  # tokenizer folder, or the .gguf file that carries the tokenizer
+    hf_config: Any  # transformers.PretrainedConfig
+    architecture: str  # e.g. "LlamaForCausalLM"
+    eos_token_ids: tuple[int, ...]
+    chat_template: str | None  # a template shipped beside the weights but outside the tokenizer
+
+
+def resolve_model_files(model: str | None, tokenizer: str | None) -> ModelFiles:
+    """Find the weights, config, tokenizer and end-of-sequence ids for ``model``."""
+    path = Path(model).expanduser() if model is not None else None
+    # A local folder that happens to carry the default model's name is still a local folder.
+    if path is None or (model == default_model.DEFAULT_MODEL_NAME and not path.exists()):
+        return _default_model_files(tokenizer)
+    if not path.exists():
+        raise FileNotFoundError(_missing_model_message(model))
+    gguf_file = _gguf_file_in(path)
+    if gguf_file is not None:
+        hf_config = _load_gguf_config(gguf_file)
+        weights_path = gguf_file
+    else:
+        hf_config = _load_folder_config(path)
+        weights_path = path
+    tokenizer_path = _tokenizer_path(tokenizer, default=weights_path)
+    eos_ids = _merge_eos_ids(
+        _generation_config_eos(weights_path), _as_id_list(getattr(hf_config, "eos_token_id", None)),
+        _tokenizer_eos(tokenizer_path, weights_path),
+    )
+    return ModelFiles(
+        display_name=model, weights_path=weights_path, tokenizer_path=tokenizer_path,
+        hf_config=hf_config, architecture=_architecture(hf_config, weights_path),
+        eos_token_ids=eos_ids, chat_template=_side_chat_template(weights_path, tokenizer_path),
+    )
+
+
+def _missing_model_message(model: str) -> str:
+    message = (f"model path {model!r} does not exist. Weir loads only local checkpoints (an HF "
+               f"folder with config.json, or a .gguf file) and does not download checkpoints")
+    looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
+    if looks_like_hub_id:
+        message += f"; fetch it first (e.g. `hf download {model} --local-dir DIR`) and pass DIR"
+    return message + "."
+
+
+def _default_model_files(tokenizer: str | None) -> ModelFiles:
+    gguf_file = default_model.ensure_default_model()
+    hf_config = _load_gguf_config(gguf_file)
+    return ModelFiles(
+        display_name=default_model.DEFAULT_MODEL_NAME, weights_path=gguf_file,
+        tokenizer_path=_tokenizer_path(tokenizer, default=gguf_file), hf_config=hf_config,
+        architecture=_architecture(hf_config, gguf_file),
+        # The GGUF metadata names <|im_start|> as eos in some transformers versions; the
+        # chat model ends its turns with <|im_end|>, and that is the only stop we want.
+        eos_token_ids=(default_model.DEFAULT_MODEL_EOS_TOKEN_ID,), chat_template=None,
+    )
+
+
+def _gguf_file_in(path: Path) -> Path | None:
+    """The .gguf file ``path`` names or holds alone; None for an HF checkpoint folder."""
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model path {str(path)!r} is a file but not a .gguf file; pass an HF "
+                             f"checkpoint folder (with config.json) or a .gguf file")
+        return path
+    if (path / "config.json").is_file():
+        return None
+    gguf_files = sorted(path.glob("*.gguf"))
+    if len(gguf_files) == 1:
+        return gguf_files[0]
+    if not gguf_files:
+        raise FileNotFoundError(f"model folder {str(path)!r} holds neither config.json nor a .gguf "
+                                f"file; is it a checkpoint folder?")
+    names = ", ".join(file.name for file in gguf_files)
+    raise ValueError(f"model folder {str(path)!r} holds several .gguf files ({names}) and no "
+                     f"config.json; pass the one to load as the model path")
+
+
+def _load_gguf_config(gguf_file: Path) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, local_files_only=True)
+    except (ValueError, OSError, KeyError) as error:
+        raise ValueError(f"cannot read the model config from {gguf_file}: {error}") from error
+
+
+def _load_folder_config(folder: Path) -> Any:
+    from transformers import AutoConfig
+
+    config_file = folder / "config.json"
+    _read_json(config_file)  # a clear error naming the file beats transformers' generic one
+    try:
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (ValueError, OSError, KeyError) as error:
+        raise ValueError(f"cannot read the model config {config_file}: {error}") from error
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        content = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{file} is not valid JSON: {error}") from error
+    if not isinstance(content, dict):
+        raise ValueError(f"{file} must hold a JSON object, found {type(content).__name__}")
+    return content
+
+
+def _architecture(hf_config: Any, weights_path: Path) -> str:
+    architectures = getattr(hf_config, "architectures", None)
+    if architectures:
+        return architectures[0]
+    # GGUF-derived configs carry no `architectures`; the model type names the causal-LM class.
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = getattr(hf_config, "model_type", None)
+    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if architecture is None:
+        raise ValueError(f"the config of {weights_path} names no `architectures`, and its model_type "
+                         f"{model_type!r} has no causal-LM class in transformers; add "
+                         f'"architectures": ["<Name>ForCausalLM"] to its config.json')
+    return architecture
+
+
+def _tokenizer_path(tokenizer: str | None, default: Path) -> Path:
+    if tokenizer is None:
+        return default
+    path = Path(tokenizer).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"tokenizer path {tokenizer!r} does not exist; pass a local tokenizer "
+                                f"folder or .gguf file (Weir does not download tokenizers)")
+    return path
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(token_id) for token_id in value]
+
+
+def _merge_eos_ids(*id_lists: list[int]) -> tuple[int, ...]:
+    return tuple(dict.fromkeys(token_id for ids in id_lists for token_id in ids))
+
+
+def _generation_config_eos(weights_path: Path) -> list[int]:
+    file = weights_path / "generation_config.json"
+    if not weights_path.is_dir() or not file.is_file():
+        return []
+    return _as_id_list(_read_json(file).get("eos_token_id"))
+
+
+def _tokenizer_eos(tokenizer_path: Path, weights_path: Path) -> list[int]:
+    """The tokenizer's eos id, read from its files so the tokenizer is loaded only once, later."""
+    if tokenizer_path.is_dir():
+        return _folder_tokenizer_eos(tokenizer_path)
+    if tokenizer_path == weights_path:
+        return []  # a GGUF's tokenizer eos is the config eos already read from the same metadata
+    return _as_id_list(getattr(_load_gguf_config(tokenizer_path), "eos_token_id", None))
+
+
+def _folder_tokenizer_eos(folder: Path) -> list[int]:
+    config_file = folder / "tokenizer_config.json"
+    if not config_file.is_file():
+        return []
+    tokenizer_config = _read_json(config_file)
+    eos_token = tokenizer_config.get("eos_token")
+    if isinstance(eos_token, dict):
+        eos_token = eos_token.get("content")
+    if not isinstance(eos_token, str):
+        return []
+    for token_id, token in tokenizer_config.get("added_tokens_decoder", {}).items():
+        if token.get("content") == eos_token:
+            return [int(token_id)]
+    tokenizer_file = folder / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        return []
+    tokenizer_json = _read_json(tokenizer_file)
+    for token in tokenizer_json.get("added_tokens", []):
+        if token.get("content") == eos_token:
+            return [int(token["id"])]
+    vocab = tokenizer_json.get("model", {}).get("vocab", {})
+    if isinstance(vocab, dict) and eos_token in vocab:
+        return [int(vocab[eos_token])]
+    return []
+
+
+def _side_chat_template(weights_path: Path, tokenizer_path: Path) -> str | None:
+    """A chat template in the checkpoint folder, when the tokenizer comes from elsewhere.
+
+    A tokenizer loaded from the checkpoint folder picks up that template itself.
+    """
+    if not weights_path.is_dir() or tokenizer_path == weights_path:
+        return None
+    template_file = weights_path / "chat_template.jinja"
+    if template_file.is_file():
+        return template_file.read_text(encoding="utf-8")
+    json_file = weights_path / "chat_template.json"
+    if json_file.is_file():
+        template = _read_json(json_file).get("chat_template")
+        return template if isinstance(template, str) else None
+    return None

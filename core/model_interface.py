@@ -1,0 +1,61 @@
+"""What every model class must provide: the contract between model plugins, loader and runner.
+
+A model plugin registers ``ModelSpec(architecture, "pkg.module:XForCausalLM")``; the class::
+
+    class XForCausalLM(nn.Module):
+        stacked_params: ClassVar[Sequence[tuple[str, str, str]]]
+        ignored_checkpoint_patterns: ClassVar[Sequence[str]]
+
+        def __init__(self, config: weir.config.ModelConfig): ...
+        def forward(self, input_ids, positions, ctx) -> Tensor: ...
+        def compute_logits(self, hidden_states) -> Tensor: ...
+        def attention_layers(self) -> list[AttentionLayerSpec]: ...
+
+- ``__init__`` reads ``config.hf_config`` (the transformers ``PretrainedConfig``) and
+  ``config.max_model_len``; it runs under ``torch.device("meta")`` and must not initialise
+  weights (``weir.layers`` modules allocate ``torch.empty``). Parameter names mirror the HF
+  module names (``model.layers.0.self_attn.o_proj.weight``) so checkpoint names map directly.
+- ``stacked_params``: ``(fused_param, checkpoint_name, shard_id)`` entries such as
+  ``("qkv_proj", "q_proj", "q")``: the checkpoint tensor ``...q_proj.weight`` is written into
+  shard ``"q"`` of the ``MergedLinear`` at ``...qkv_proj`` (names match on whole dotted parts).
+- ``ignored_checkpoint_patterns``: regexes (``re.search``) of checkpoint names to skip, such as
+  ``rotary_emb\\.inv_freq``. A checkpoint copy of a tied weight (``lm_head.weight`` when tied) is
+  skipped without being listed.
+- ``forward(input_ids [T] int64, positions [T] int64, ctx: ForwardContext) -> [T, hidden]``:
+  the tokens of all requests of the step, flattened; ``ctx`` carries the attention backend, its
+  metadata and the KV caches (indexed by ``layer_idx``).
+- ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` in the model dtype, for the N rows the
+  sampler needs (usually each request's last token).
+- ``attention_layers()``: one ``AttentionLayerSpec`` per layer that needs KV cache; the runner
+  sizes and allocates the cache from them.
+- Modules owning non-persistent buffers (cos/sin caches) define
+  ``materialize_buffers(device)``; the loader calls it after the weights are loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from weir.attention import AttentionLayerSpec, ForwardContext
+    from weir.config import ModelConfig
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """Static-typing view of the contract above (model classes need not inherit from it)."""
+
+    stacked_params: ClassVar[Sequence[tuple[str, str, str]]]
+    ignored_checkpoint_patterns: ClassVar[Sequence[str]]
+
+    def __init__(self, config: ModelConfig) -> None: ...
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor: ...
+
+    def attention_layers(self) -> list[AttentionLayerSpec]: ...

@@ -1,0 +1,90 @@
+"""The MoE-backend interface: compute a layer's experts for a batch of tokens.
+
+Expert weights use the fused transformers 5.x layout (``reference/models.md`` §0.7, §1.4):
+``w_gate_up [num_experts, 2 * intermediate, hidden]`` with the gate rows first, then the up
+rows, and ``w_down [num_experts, hidden, intermediate]``. Each expert computes
+``down(act(gate(x)) * up(x))``; a token's output is the routing-weighted sum over its top-k.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+}
+
+
+def activation_fn(activation: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    try:
+        return ACTIVATIONS[activation]
+    except KeyError:
+        raise ValueError(
+            f"unknown MoE activation {activation!r}; known: {', '.join(sorted(ACTIVATIONS))}"
+        ) from None
+
+
+def softmax_top_k(
+    router_logits: torch.Tensor,  # [num_tokens, num_experts]
+    top_k: int,
+    renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax routing: (weights [num_tokens, top_k] fp32, expert ids [num_tokens, top_k]).
+
+    The softmax runs in fp32 as transformers does, so bf16 logits route the same way.
+    """
+    num_experts = router_logits.shape[-1]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, {num_experts}] (the number of experts), got {top_k}")
+    routing_probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    topk_weights, topk_ids = torch.topk(routing_probs, top_k, dim=-1)
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights, topk_ids
+
+
+class MoEBackend(ABC):
+    """A way to compute mixture-of-experts layers.
+
+    ``forward`` routes (softmax, top-k, optional renormalisation of the top-k weights) and then
+    calls ``experts``. Models with their own routing (sigmoid scores, grouped top-k, bias
+    correction) compute weights and ids themselves and call ``experts`` directly. A fused
+    backend may override ``forward`` to route inside its kernel.
+    """
+
+    name: ClassVar[str]
+    supported_devices: ClassVar[frozenset[str]]
+
+    @classmethod
+    def supports(cls, device_type: str) -> bool:
+        return device_type in cls.supported_devices
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        router_logits: torch.Tensor,  # [num_tokens, num_experts]
+        w_gate_up: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]
+        w_down: torch.Tensor,  # [num_experts, hidden, intermediate]
+        top_k: int,
+        renormalize: bool,
+        activation: str = "silu",
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        topk_weights, topk_ids = softmax_top_k(router_logits, top_k, renormalize)
+        return self.experts(hidden, topk_weights, topk_ids, w_gate_up, w_down, activation)
+
+    @abstractmethod
+    def experts(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        topk_weights: torch.Tensor,  # [num_tokens, top_k]
+        topk_ids: torch.Tensor,  # [num_tokens, top_k] int64 expert ids
+        w_gate_up: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]
+        w_down: torch.Tensor,  # [num_experts, hidden, intermediate]
+        activation: str = "silu",
+    ) -> torch.Tensor:  # [num_tokens, hidden], in hidden's dtype
+        """Sum over each token's experts of ``weight * down(act(gate(x)) * up(x))``."""

@@ -1,0 +1,84 @@
+"""A request as the scheduler sees it: token ids, progress, blocks, and why it finished."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from weir.kv_cache.block_pool import ROOT_HASH, hash_block
+from weir.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]  # empty when the request ignores EOS
+    max_tokens: int  # resolved against the context: never runs past max_model_len
+    seed: int  # every request has one; unseeded requests get one from the engine's RNG
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_computed_tokens: int = 0
+    # Tokens sampled on the device that the host has not seen yet (async scheduling).
+    num_output_placeholders: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    num_preemptions: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return self.num_tokens + self.num_output_placeholders
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def num_outputs_with_placeholders(self) -> int:
+        return len(self.output_token_ids) + self.num_output_placeholders
+
+    def token_at(self, index: int) -> int:
+        num_prompt = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < num_prompt else self.output_token_ids[index - num_prompt]
+
+    def update_block_hashes(self, block_size: int) -> list[bytes]:
+        """Extend the chained hashes to every full block of known tokens."""
+        num_full_blocks = self.num_tokens // block_size
+        while len(self.block_hashes) < num_full_blocks:
+            index = len(self.block_hashes)
+            parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+            tokens = [self.token_at(i) for i in range(index * block_size, (index + 1) * block_size)]
+            self.block_hashes.append(hash_block(parent, tokens))
+        return self.block_hashes

@@ -1,0 +1,1 @@
+"""The model runner (V2 design): persistent request table, step inputs gathered on the device."""

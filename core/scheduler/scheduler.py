@@ -1,0 +1,225 @@
+"""One token budget per step and no prefill/decode phases.
+
+Every unfinished request is owed ``num_tokens_with_placeholders - num_computed_tokens``
+tokens; each step hands out ``max_num_batched_tokens`` of them, running requests first, then
+waiting ones in arrival order. Chunked prefill and prefix-cache hits fall out of that one rule.
+When blocks run out the newest running request is preempted by recompute.
+
+With async scheduling the scheduler plans step N+1 before step N's sampled tokens reach the
+host: a request whose chunk reaches its end gets an output *placeholder*, and stop conditions
+are applied when the real token arrives (a token sampled meanwhile is dropped).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from weir.config import SchedulerConfig
+from weir.kv_cache import KVCacheManager
+from weir.request import Request, RequestStatus
+from weir.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+
+@dataclass
+class SampledTokens:
+    """What one step produced, on the host: one entry per request in batch order."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    logprob_token_ids: list[list[int]] | None = None  # [B][1 + k]; column 0 = the sampled token
+    logprobs: list[list[float]] | None = None
+    logprob_ranks: list[int] | None = None  # rank of the sampled token
+
+
+@dataclass
+class RequestUpdate:
+    request: Request
+    new_token_ids: list[int]
+    new_logprobs: list[tuple[list[int], list[float], int]]  # per new token: ids, values, rank
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager):
+        self.config = config
+        self.kv_cache = kv_cache
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Requests that held a runner row and ended since the last schedule().
+        self._finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- request lifecycle -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if self.kv_cache.blocks_for(request.num_tokens + 1) > self.kv_cache.pool.num_usable_blocks:
+            raise ValueError(f"request {request.request_id} needs {request.num_tokens + 1} tokens of KV "
+                             f"cache, more than the whole cache ({self.kv_cache.capacity_tokens} tokens)")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason=None) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is None or request.is_finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._finished_req_ids.add(request_id)
+        else:
+            self.waiting.remove(request)
+        self.kv_cache.free(request)
+        request.status = status
+        if stop_reason is not None:
+            request.stop_reason = stop_reason
+
+    def abort_requests(self, request_ids) -> None:
+        for request_id in request_ids:
+            self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_rows_to_release(self) -> bool:
+        """Finished requests whose runner rows the next ``schedule()`` gives back."""
+        return bool(self._finished_req_ids)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- scheduling --------------------------------------------------------------------
+
+    def _owed(self, request: Request) -> int:
+        """Tokens the request can compute now (0 while it waits for its final outputs)."""
+        if request.num_outputs_with_placeholders >= request.max_tokens:
+            return 0
+        return request.num_tokens_with_placeholders - request.num_computed_tokens
+
+    def _preempt(self, request: Request, preempted: set[str]) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        preempted.add(request.request_id)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        cached = CachedRequestData()
+        new_reqs: list[NewRequestData] = []
+        preempted: set[str] = set()
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(self._owed(request), budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            new_blocks = self.kv_cache.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = self.running[-1]  # later in the list, so not scheduled yet this step
+                self._preempt(victim, preempted)
+                if victim is request:
+                    break
+                new_blocks = self.kv_cache.allocate_slots(request, num_new)
+            if new_blocks is None:
+                break
+            num_scheduled[request.request_id] = num_new
+            cached.req_ids.append(request.request_id)
+            cached.new_block_ids.append(new_blocks)
+            budget -= num_new
+            index += 1
+
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            if request.num_output_placeholders > 0:
+                break  # its last token is still on the way; resume it once it has arrived
+            hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if self.kv_cache.allocate_slots(request, num_new, hit_blocks) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_hit_tokens
+            num_scheduled[request.request_id] = num_new
+            new_reqs.append(self._new_request_data(request))
+            budget -= num_new
+
+        sampling, min_tokens = set(), set()
+        for request_id, num_new in num_scheduled.items():
+            request = self.requests[request_id]
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens == request.num_tokens_with_placeholders:
+                if request.num_outputs_with_placeholders < request.sampling_params.min_tokens:
+                    min_tokens.add(request_id)
+                request.num_output_placeholders += 1
+                sampling.add(request_id)
+
+        finished, self._finished_req_ids = self._finished_req_ids, set()
+        return SchedulerOutput(
+            new_reqs=new_reqs, cached_reqs=cached, num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()), sampling_req_ids=sampling,
+            min_tokens_req_ids=min_tokens, finished_req_ids=finished - preempted,
+            preempted_req_ids=preempted,
+        )
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        params = request.sampling_params
+        return NewRequestData(
+            req_id=request.request_id, prefill_token_ids=request.all_token_ids,
+            num_prompt_tokens=request.num_prompt_tokens, block_ids=list(request.block_ids),
+            num_computed_tokens=request.num_computed_tokens, sampling_params=params, seed=request.seed,
+            stop_token_ids=tuple(request.eos_token_ids) + tuple(params.stop_token_ids),
+        )
+
+    # ---- results -----------------------------------------------------------------------
+
+    def update(self, output: SchedulerOutput, sampled: SampledTokens) -> list[RequestUpdate]:
+        """Apply one step's sampled tokens: append them and check the stop conditions."""
+        updates = []
+        for batch_idx, request_id in enumerate(sampled.req_ids):
+            if request_id not in output.sampling_req_ids:
+                continue  # a partial prefill chunk: its sample is not a real token
+            request = self.requests.get(request_id)
+            if request is None:
+                continue  # finished or aborted while this step ran: the token is dropped
+            request.num_output_placeholders -= 1
+            token_id = sampled.sampled_token_ids[batch_idx]
+            request.output_token_ids.append(token_id)
+            logprobs = []
+            if sampled.logprobs is not None and request.sampling_params.logprobs is not None:
+                num_top = request.sampling_params.logprobs
+                logprobs.append((sampled.logprob_token_ids[batch_idx][: num_top + 1],
+                                 sampled.logprobs[batch_idx][: num_top + 1],
+                                 sampled.logprob_ranks[batch_idx]))
+            status, stop_reason = self._check_stop(request, token_id)
+            if status is not None:
+                self.finish_request(request_id, status, stop_reason)
+            updates.append(RequestUpdate(request, [token_id], logprobs, status is not None))
+        return updates
+
+    def _check_stop(self, request: Request, token_id: int):
+        params = request.sampling_params
+        num_outputs = len(request.output_token_ids)
+        if num_outputs >= params.min_tokens:
+            if token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED, None
+            if token_id in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token_id
+        if num_outputs >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None

@@ -1,0 +1,103 @@
+"""Which platform and which attention / MoE backends a run uses.
+
+The platform is the one the user names (``--device``) or else the available platform with the
+highest priority. A backend is the one the user names, if it supports the platform's device
+type and the model's layer kinds, or else the first of the platform's preferred backends that
+does. Anything else is an error saying what is missing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from weir.platform import Platform
+
+if TYPE_CHECKING:
+    from weir.plugin_manager import PluginRegistry  # noqa: F401
+
+
+def select_platform(registry: "PluginRegistry", device: str | None) -> Platform:
+    if device is not None:
+        platform_cls = registry.resolve_platform(device)  # unknown name -> ValueError
+        if not platform_cls.is_available():
+            raise RuntimeError(
+                f"device {device!r} was requested but is not available: "
+                f"{platform_cls.unavailable_reason()}"
+            )
+        return platform_cls()
+    # Stable sort: platforms of equal priority keep their registration order.
+    by_priority = sorted(registry.platforms, key=lambda name: -registry.platforms[name].spec.priority)
+    reasons = []
+    for name in by_priority:
+        platform_cls = registry.resolve_platform(name)
+        if platform_cls.is_available():
+            return platform_cls()
+        reasons.append(f"{name}: {platform_cls.unavailable_reason()}")
+    raise RuntimeError(
+        "no platform is available: "
+        + ("; ".join(reasons) if reasons else "no platform plugin is registered")
+    )
+
+
+def select_attention_backend(
+    registry: "PluginRegistry", platform: Platform, layer_kinds: set[str], requested: str | None
+) -> type:
+    def missing(backend_cls: type) -> list[str]:
+        problems = []
+        if platform.device_type not in backend_cls.supported_devices:
+            problems.append(f"device type {platform.device_type!r}")
+        unsupported_kinds = set(layer_kinds) - set(backend_cls.supported_layer_kinds)
+        if unsupported_kinds:
+            problems.append(f"layer kinds {sorted(unsupported_kinds)}")
+        return problems
+
+    return _select(
+        "attention backend", registry.attention_backends, registry.resolve_attention_backend,
+        platform.preferred_attention_backends, requested, missing, platform,
+    )
+
+
+def select_moe_backend(registry: "PluginRegistry", platform: Platform, requested: str | None) -> type:
+    def missing(backend_cls: type) -> list[str]:
+        if platform.device_type in backend_cls.supported_devices:
+            return []
+        return [f"device type {platform.device_type!r}"]
+
+    return _select(
+        "MoE backend", registry.moe_backends, registry.resolve_moe_backend,
+        platform.preferred_moe_backends, requested, missing, platform,
+    )
+
+
+def _select(
+    label: str,
+    registered: dict,
+    resolve: Callable[[str], type],
+    preferred: tuple[str, ...],
+    requested: str | None,
+    missing: Callable[[type], list[str]],
+    platform: Platform,
+) -> type:
+    if requested is not None:
+        backend_cls = resolve(requested)  # unknown name -> ValueError listing the known ones
+        problems = missing(backend_cls)
+        if problems:
+            raise ValueError(
+                f"{label} {requested!r} does not support {' and '.join(problems)}, "
+                f"needed on platform {platform.name!r}"
+            )
+        return backend_cls
+    tried = []
+    for name in preferred:
+        if name not in registered:
+            tried.append(f"{name!r} is not registered")
+            continue
+        backend_cls = resolve(name)
+        problems = missing(backend_cls)
+        if not problems:
+            return backend_cls
+        tried.append(f"{name!r} does not support {' and '.join(problems)}")
+    raise ValueError(
+        f"no {label} fits platform {platform.name!r}: {'; '.join(tried) or 'it prefers none'}; "
+        f"registered: {', '.join(sorted(registered)) or '(none)'}"
+    )

@@ -1,0 +1,36 @@
+"""Tokenizer loading, chat templates and prompt encoding, all through transformers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def load_tokenizer(model_config: Any) -> Any:
+    """Load the transformers tokenizer from ``model_config.tokenizer_path`` (folder or .gguf file)."""
+    from transformers import AutoTokenizer
+
+    path = model_config.tokenizer_path
+    try:
+        if path.suffix == ".gguf":
+            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as error:
+        raise ValueError(f"cannot load a tokenizer from {path}: {error}") from error
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], chat_template: str | None,
+                        add_generation_prompt: bool = True) -> list[int]:
+    """Render ``messages`` with the override template (or the tokenizer's own) into token ids."""
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the model has no chat template, so chat requests cannot be rendered; pass "
+                         "one with --chat-template FILE (a Jinja template), or use plain completions")
+    # Render to text, then encode without special tokens: the template writes any BOS itself,
+    # and this returns plain ids the same way across transformers versions.
+    text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """Encode a completion prompt as HF does by default (the tokenizer adds BOS if it should)."""
+    return tokenizer.encode(text, add_special_tokens=True)

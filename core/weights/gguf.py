@@ -1,0 +1,106 @@
+"""Read a GGUF checkpoint as HF-named, dequantised tensors.
+
+llama.cpp renames tensors (``blk.0.attn_q.weight``) and permutes the q/k rows of some families
+for its rotary layout. Rather than re-derive that, this module asks transformers: its GGUF
+tensor processors undo the per-family changes, and the gguf package's name map (the same one
+transformers uses) gives the HF name of every tensor. Tensors are dequantised one at a time, so
+peak host memory is one tensor, not the whole model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def iter_gguf(model_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every weight in ``model_config.weights_path`` (a .gguf file).
+
+    Tensors come out in ``model_config.dtype`` on the CPU. A tied ``lm_head.weight`` is not
+    yielded when the file has no ``output.weight`` (the model ties it to the embeddings).
+    """
+    from gguf import GGUFReader, dequantize
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    reader = GGUFReader(str(model_config.weights_path))
+    architecture = _read_string_field(reader, "general.architecture")
+    hf_config = model_config.hf_config
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=hf_config.to_dict())
+    name_map = _gguf_to_hf_names(hf_config, processor)
+    # Processors that merge several GGUF tensors into one HF tensor (MoE experts) stash the
+    # merged result here instead of returning it.
+    merged: dict[str, dict[str, torch.Tensor]] = {"tensors": {}}
+    skipped = []
+    for gguf_tensor in reader.tensors:
+        weights = dequantize(gguf_tensor.data, gguf_tensor.tensor_type)
+        result = processor.process(weights=weights, name=gguf_tensor.name,
+                                   tensor_key_mapping=name_map, parsed_parameters=merged)
+        if result.name is None:
+            continue
+        if result.name not in name_map:
+            skipped.append(result.name)
+            continue
+        yield name_map[result.name], _to_torch(result.weights, model_config.dtype)
+    for hf_name, tensor in merged["tensors"].items():
+        yield hf_name, tensor.to(model_config.dtype)
+    if skipped:
+        # transformers drops these too (e.g. rope_freqs, which HF recomputes from the config)
+        logger.info("GGUF tensors with no HF counterpart, not loaded: %s", ", ".join(skipped))
+
+
+def _to_torch(weights: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    # Unquantised tensors come back as read-only views of the memory-mapped file.
+    array = weights if weights.flags.writeable else np.array(weights)
+    return torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+
+
+def _read_string_field(reader: Any, key: str) -> str:
+    field = reader.fields.get(key)
+    if field is None:
+        raise ValueError(f"GGUF file {reader.data.filename} has no {key!r} metadata")
+    return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+class _ModuleNames:
+    """The parameter names of an HF model, shaped like the module transformers' name mapper walks.
+
+    transformers' mapper recurses into every submodule and rebuilds the gguf name table at each
+    one (seconds for a 30-layer model). Only the top level and its direct children matter (a
+    GGUF converted from the bare ``XModel`` lacks the ``model.`` prefix), so expose just those.
+    """
+
+    def __init__(self, config: Any, names: list[str], children: dict[str, list[str]] | None):
+        self.config = config
+        self._names = names
+        self._children = children
+
+    def state_dict(self) -> dict[str, None]:
+        return dict.fromkeys(self._names)
+
+    def named_children(self) -> list[tuple[str, "_ModuleNames"]]:
+        if self._children is None:
+            return []
+        return [(name, _ModuleNames(self.config, child_names, None))
+                for name, child_names in self._children.items()]
+
+
+def _gguf_to_hf_names(hf_config: Any, processor: Any) -> dict[str, str]:
+    """``{gguf_name: hf_name}`` for the HF causal-LM class of ``hf_config``."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+
+    with torch.device("meta"):  # names only: no memory, no init cost
+        hf_model = AutoModelForCausalLM.from_config(hf_config)
+    names = list(hf_model.state_dict())
+    children: dict[str, list[str]] = {}
+    for name in names:
+        if "." in name:
+            child, rest = name.split(".", 1)
+            children.setdefault(child, []).append(rest)
+    return get_gguf_hf_weights_map(_ModuleNames(hf_config, names, children), processor)

@@ -1,0 +1,148 @@
+"""Build a model on the meta device, materialise it, and stream checkpoint tensors into it.
+
+Checkpoint names map onto parameter names one to one, except for fused projections, which a
+model declares in ``stacked_params`` (see ``weir.model_interface``). Every parameter (every shard
+of a fused one) must be written exactly once; anything missing, duplicated, unexpected or of the
+wrong shape is an error naming the checkpoint tensors concerned.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from weir.config import ModelConfig
+
+
+@dataclass
+class _ParamTarget:
+    parameter: nn.Parameter
+    shard_ids: tuple[str | None, ...]  # (None,) for a plain parameter
+    written: set[str | None] = field(default_factory=set)
+
+
+def _owner_and_attr(model: nn.Module, param_name: str) -> tuple[nn.Module, str]:
+    module_path, _, attr = param_name.rpartition(".")
+    return (model.get_submodule(module_path) if module_path else model), attr
+
+
+def _tied_aliases(model: nn.Module) -> dict[str, str]:
+    """alias name -> canonical name for parameters registered under several names."""
+    canonical_by_id: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in canonical_by_id:
+            aliases[name] = canonical_by_id[id(param)]
+        else:
+            canonical_by_id[id(param)] = name
+    return aliases
+
+
+def _retie(model: nn.Module, aliases: dict[str, str]) -> None:
+    """``to_empty`` gives every registration its own tensor; point aliases back at one."""
+    for alias, canonical in aliases.items():
+        owner, attr = _owner_and_attr(model, canonical)
+        alias_owner, alias_attr = _owner_and_attr(model, alias)
+        setattr(alias_owner, alias_attr, getattr(owner, attr))
+
+
+class _CheckpointMapper:
+    def __init__(self, model: nn.Module, model_cls: type):
+        self.stacked = tuple(getattr(model_cls, "stacked_params", ()))
+        self.ignored = [re.compile(p) for p in getattr(model, "ignored_checkpoint_patterns", ())]
+        self.aliases = _tied_aliases(model)
+        self.targets: dict[str, _ParamTarget] = {}
+        for name, param in model.named_parameters():
+            owner, _ = _owner_and_attr(model, name)
+            shard_ids = tuple(getattr(owner, "shard_ids", ())) or (None,)
+            self.targets[name] = _ParamTarget(param, shard_ids)
+
+    def map(self, checkpoint_name: str) -> tuple[str, str | None] | None:
+        """(param name, shard id) for a checkpoint name; None when it is to be skipped."""
+        if checkpoint_name in self.aliases or any(p.search(checkpoint_name) for p in self.ignored):
+            return None
+        for fused, original, shard_id in self.stacked:
+            part = f".{original}."
+            if part in f".{checkpoint_name}":
+                return f".{checkpoint_name}".replace(part, f".{fused}.", 1)[1:], shard_id
+        return checkpoint_name, None
+
+    def checkpoint_name(self, param_name: str, shard_id: str | None) -> str:
+        for fused, original, stacked_shard in self.stacked:
+            if stacked_shard == shard_id and f".{fused}." in f".{param_name}":
+                return f".{param_name}".replace(f".{fused}.", f".{original}.", 1)[1:]
+        return param_name
+
+
+@torch.no_grad()
+def _write(model: nn.Module, target: _ParamTarget, param_name: str, shard_id: str | None,
+           checkpoint_name: str, tensor: torch.Tensor) -> None:
+    if shard_id not in target.shard_ids:
+        raise ValueError(f"checkpoint tensor {checkpoint_name} maps to shard {shard_id!r} of "
+                         f"{param_name}, which has shards {target.shard_ids}")
+    if shard_id in target.written:
+        raise ValueError(f"checkpoint tensor {checkpoint_name} appears more than once")
+    destination = target.parameter.data
+    if shard_id is not None:
+        owner, _ = _owner_and_attr(model, param_name)
+        destination = destination[owner.shard_slice(shard_id)]
+    if tuple(destination.shape) != tuple(tensor.shape):
+        raise ValueError(f"checkpoint tensor {checkpoint_name} has shape {tuple(tensor.shape)}, "
+                         f"but the model expects {tuple(destination.shape)} for it ({param_name})")
+    destination.copy_(tensor)
+    target.written.add(shard_id)
+
+
+def load_model(
+    model_cls: type[nn.Module],
+    model_config: ModelConfig,
+    device: torch.device,
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> nn.Module:
+    """Instantiate ``model_cls(model_config)`` on ``device`` in ``model_config.dtype`` and fill it.
+
+    Raises ValueError listing unexpected checkpoint tensors, or the checkpoint names of
+    parameters the weights never provided.
+    """
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = model_cls(model_config)
+    model.to(dtype=model_config.dtype)  # on meta: free, no copy
+    mapper = _CheckpointMapper(model, model_cls)
+    model.to_empty(device=device)
+    _retie(model, mapper.aliases)
+    # to_empty replaced the parameters; point the targets at the live ones.
+    live = dict(model.named_parameters())
+    for name, target in mapper.targets.items():
+        target.parameter = live[name]
+
+    unexpected: list[str] = []
+    for checkpoint_name, tensor in weights:
+        mapped = mapper.map(checkpoint_name)
+        if mapped is None:
+            continue
+        param_name, shard_id = mapped
+        target = mapper.targets.get(param_name)
+        if target is None:
+            unexpected.append(checkpoint_name)
+            continue
+        _write(model, target, param_name, shard_id, checkpoint_name, tensor)
+    if unexpected:
+        raise ValueError(f"checkpoint has {len(unexpected)} tensor(s) {model_cls.__name__} does not "
+                         f"use: {', '.join(sorted(unexpected))}")
+    missing = [mapper.checkpoint_name(name, shard_id)
+               for name, target in mapper.targets.items()
+               for shard_id in target.shard_ids if shard_id not in target.written]
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) {model_cls.__name__} needs: "
+                         f"{', '.join(sorted(missing))}")
+
+    for module in model.modules():
+        materialize = getattr(module, "materialize_buffers", None)
+        if callable(materialize):
+            materialize(device)
+    return model.eval()

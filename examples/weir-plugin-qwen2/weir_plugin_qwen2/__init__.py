@@ -1,0 +1,1 @@
+"""An example third-party Weir plugin adding the Qwen2 architecture (``Qwen2ForCausalLM``)."""

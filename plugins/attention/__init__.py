@@ -1,0 +1,8 @@
+"""Weir's built-in attention backends."""
+
+from weir.hookspecs import AttentionBackendSpec, hookimpl
+
+
+@hookimpl
+def weir_attention_backends() -> list[AttentionBackendSpec]:
+    return [AttentionBackendSpec("torch", "weir.plugins.attention.torch_ref:TorchAttentionBackend")]

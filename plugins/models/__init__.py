@@ -1,0 +1,17 @@
+"""Weir's built-in model architectures, registered like any third-party plugin.
+
+Importing this module stays light (no torch): the targets are imported only when selected.
+"""
+
+from __future__ import annotations
+
+from weir.hookspecs import ModelSpec, hookimpl
+
+
+@hookimpl
+def weir_models() -> list[ModelSpec]:
+    """Llama and Qwen3 dense decoders."""
+    return [
+        ModelSpec("LlamaForCausalLM", "weir.plugins.models.llama:LlamaForCausalLM"),
+        ModelSpec("Qwen3ForCausalLM", "weir.plugins.models.qwen3:Qwen3ForCausalLM"),
+    ]

@@ -1,0 +1,1 @@
+"""Weir's OpenAI-compatible HTTP server (starlette + uvicorn)."""

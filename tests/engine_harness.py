@@ -1,0 +1,81 @@
+"""Runs Weir's engine the way a test needs to watch it: every step's logits captured per
+request, and the KV pool's invariants checked after every step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from weir.llm import LLM
+
+
+@dataclass
+class Watch:
+    logits: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # req_id -> [V] per sample
+    num_steps: int = 0
+
+
+def watch_engine(llm: LLM) -> Watch:
+    """Instrument ``llm`` in place: capture sampled rows' logits, check invariants each step."""
+    watch = Watch()
+    engine = llm.engine
+    runner = engine.runner
+    model = runner.model
+    last_logits: list[torch.Tensor] = []
+    original_logits, original_execute, original_step = model.compute_logits, runner.execute, engine.step
+
+    def compute_logits(hidden):
+        logits = original_logits(hidden)
+        last_logits.append(logits.detach().float().clone())
+        return logits
+
+    def execute(scheduler_output):
+        last_logits.clear()
+        handle = original_execute(scheduler_output)
+        if handle is not None:
+            for batch_idx, req_id in enumerate(scheduler_output.num_scheduled_tokens):
+                if req_id in scheduler_output.sampling_req_ids:
+                    watch.logits.setdefault(req_id, []).append(last_logits[0][batch_idx])
+        return handle
+
+    def step():
+        outputs = original_step()
+        engine.scheduler.kv_cache.pool.check_invariants()
+        watch.num_steps += 1
+        return outputs
+
+    model.compute_logits = compute_logits
+    runner.execute = execute
+    engine.step = step
+    return watch
+
+
+def assert_nothing_held(llm: LLM) -> None:
+    """Once every request is finished or aborted, no block and no table row is held."""
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    engine.scheduler.kv_cache.pool.check_invariants(expected_in_use=0)
+    assert engine.runner.table.row_of == {}
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def hf_greedy(model_path, prompt_token_ids: list[int], num_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy continuation and its logits ([num_tokens, V]), EOS ignored."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    return hf_greedy_with(model, prompt_token_ids, num_tokens)
+
+
+@torch.no_grad()
+def hf_greedy_with(model, prompt_token_ids: list[int], num_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """A plain greedy loop over transformers' own forward with its KV cache (no EOS handling)."""
+    out = model(input_ids=torch.tensor([prompt_token_ids]), use_cache=True)
+    tokens, logits = [], []
+    for _ in range(num_tokens):
+        step_logits = out.logits[0, -1].float()
+        logits.append(step_logits)
+        tokens.append(int(step_logits.argmax()))
+        out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens, torch.stack(logits)

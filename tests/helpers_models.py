@@ -1,0 +1,151 @@
+"""Tiny random Hugging Face checkpoints (and a tokenizer) for tests.
+
+Each ``make_tiny_*`` builds a transformers model from a small config with a fixed seed and
+``save_pretrained``s it, so tests exercise Weir's loader on the real checkpoint layout and
+compare against transformers as the reference. Norm weights and biases are randomised too (HF
+initialises them to ones/zeros, which would hide a swapped q_norm/k_norm or a dropped bias).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Special-token ids shared by the tiny configs and save_tiny_tokenizer (after the 256 byte tokens).
+TINY_BOS_ID, TINY_EOS_ID, TINY_PAD_ID = 256, 257, 258
+TINY_VOCAB_SIZE = 320
+
+# rope_parameters variants (rope_theta is added by _rope); None = plain RoPE.
+ROPE_VARIANTS: dict[str, dict[str, Any] | None] = {
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 128},
+}
+
+_COMMON = dict(
+    vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    initializer_range=0.1, bos_token_id=TINY_BOS_ID, eos_token_id=TINY_EOS_ID,
+    pad_token_id=TINY_PAD_ID,
+)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def _rope(variant: dict[str, Any] | None, rope_theta: float) -> dict[str, Any]:
+    params = {"rope_type": "default"} if variant is None else dict(variant)
+    params.setdefault("rope_theta", rope_theta)
+    return params
+
+
+@torch.no_grad()
+def _save_random(config: Any, path: Path, seed: int, with_tokenizer: bool) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for name, param in model.named_parameters():
+        if param.ndim == 1:  # norms around 1, biases around 0
+            param.copy_(torch.randn_like(param) * 0.2 + (1.0 if "norm" in name else 0.0))
+    model.save_pretrained(path)
+    if with_tokenizer:
+        save_tiny_tokenizer(path, config.vocab_size)
+    return path
+
+
+def make_tiny_llama(path: Path, *, rope: str | dict | None = "default", seed: int = 0,
+                    with_tokenizer: bool = False, **overrides: Any) -> Path:
+    """Llama: head_dim = hidden/heads = 16. ``rope``: a ROPE_VARIANTS name or a rope_parameters dict."""
+    from transformers import LlamaConfig
+
+    variant = ROPE_VARIANTS[rope] if isinstance(rope, str) else rope
+    options = {**_COMMON, "rope_parameters": _rope(variant, 10000.0), "tie_word_embeddings": False,
+               "architectures": ["LlamaForCausalLM"], **overrides}
+    return _save_random(LlamaConfig(**options), path, seed, with_tokenizer)
+
+
+def make_tiny_qwen3(path: Path, *, rope: str | dict | None = "default", seed: int = 0,
+                    with_tokenizer: bool = False, **overrides: Any) -> Path:
+    """Qwen3: explicit head_dim 32 (4 heads x 32 != hidden 64), tied embeddings, q/k norm."""
+    from transformers import Qwen3Config
+
+    variant = ROPE_VARIANTS[rope] if isinstance(rope, str) else rope
+    options = {**_COMMON, "head_dim": 32, "rope_parameters": _rope(variant, 1000000.0),
+               "tie_word_embeddings": True, "architectures": ["Qwen3ForCausalLM"], **overrides}
+    return _save_random(Qwen3Config(**options), path, seed, with_tokenizer)
+
+
+def make_tiny_qwen2(path: Path, *, rope: str | dict | None = "default", seed: int = 0,
+                    with_tokenizer: bool = False, **overrides: Any) -> Path:
+    """Qwen2: q/k/v bias, no q/k norm, untied."""
+    from transformers import Qwen2Config
+
+    variant = ROPE_VARIANTS[rope] if isinstance(rope, str) else rope
+    options = {**_COMMON, "rope_parameters": _rope(variant, 1000000.0), "tie_word_embeddings": False,
+               "architectures": ["Qwen2ForCausalLM"], **overrides}
+    return _save_random(Qwen2Config(**options), path, seed, with_tokenizer)
+
+
+def tiny_model_config(path: Path, dtype: torch.dtype = torch.float32,
+                      max_model_len: int | None = None) -> Any:
+    """A ``weir.config.ModelConfig`` for a tiny checkpoint folder, built without EngineArgs."""
+    from transformers import AutoConfig
+
+    from weir.config import ModelConfig
+
+    path = Path(path)
+    hf_config = AutoConfig.from_pretrained(path)
+    return ModelConfig(
+        model=str(path), weights_path=path, tokenizer_path=path,
+        architecture=hf_config.architectures[0], hf_config=hf_config, dtype=dtype,
+        max_model_len=max_model_len or hf_config.max_position_embeddings,
+        eos_token_ids=(TINY_EOS_ID,), served_model_name=path.name,
+    )
+
+
+def _byte_level_vocab() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte, mapped to the byte's own value."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    vocab = {chr(byte): byte for byte in printable}
+    shifted = 0
+    for byte in range(256):
+        if byte not in vocab.values():
+            vocab[chr(256 + shifted)] = byte
+            shifted += 1
+    return vocab
+
+
+def save_tiny_tokenizer(path: Path, vocab_size: int = TINY_VOCAB_SIZE) -> Path:
+    """Byte-level BPE without merges: byte b is token id b (0-255), then <s>, </s>, <pad>.
+
+    Any text round-trips; loadable with ``AutoTokenizer.from_pretrained(path)``; carries a
+    small chat template.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    if vocab_size <= TINY_PAD_ID:
+        raise ValueError(f"vocab_size={vocab_size} must exceed {TINY_PAD_ID} (256 bytes + 3 specials)")
+    tokenizer = Tokenizer(models.BPE(vocab=_byte_level_vocab(), merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<s>", "</s>", "<pad>"])
+    assert tokenizer.token_to_id("</s>") == TINY_EOS_ID
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "pad_token": "<pad>", "model_max_length": 512, "chat_template": CHAT_TEMPLATE,
+    }, indent=2))
+    return path

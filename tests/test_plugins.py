@@ -1,0 +1,204 @@
+"""The plugin manager: entry-point loading, attribution, conflicts, errors, and `weir plugins`."""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from weir.cli.main import app
+from weir.hookspecs import AttentionBackendSpec, ModelSpec, MoEBackendSpec, hookimpl
+from weir.plugin_manager import PluginError, PluginRegistry, load_plugins
+from weir.plugins.attention.torch_ref import TorchAttentionBackend
+from weir.plugins.platforms.cpu import CpuPlatform
+
+BROKEN_PLUGIN_DIR = Path(__file__).parent / "fixtures" / "broken_plugin"
+BUILTIN_PLUGINS = {"builtin_models", "builtin_attention", "builtin_moe_backends", "builtin_platforms"}
+
+
+def _plugin(**hooks) -> types.SimpleNamespace:
+    """A plugin object whose hooks return the given values."""
+    return types.SimpleNamespace(**{
+        hook_name: hookimpl(specname=hook_name)(lambda value=value: value)
+        for hook_name, value in hooks.items()
+    })
+
+
+def test_builtin_entry_points_register_builtins():
+    registry = load_plugins(allowed=None)
+    assert set(registry.platforms) == {"cpu", "cuda", "rocm", "xpu"}
+    assert registry.platforms["cpu"].plugin_name == "builtin_platforms"
+    assert registry.platforms["cpu"].distribution == "weir-engine"
+    assert registry.moe_backends["torch"].plugin_name == "builtin_moe_backends"
+    assert registry.attention_backends["torch"].plugin_name == "builtin_attention"
+    assert registry.resolve_attention_backend("torch") is TorchAttentionBackend
+    assert registry.resolve_platform("cpu") is CpuPlatform
+    assert {"LlamaForCausalLM", "Qwen3ForCausalLM"} <= set(registry.models)
+    assert registry.models["Qwen3ForCausalLM"].plugin_name == "builtin_models"
+    assert registry.resolve_model("Qwen3ForCausalLM").__name__ == "Qwen3ForCausalLM"
+    assert {name for name, _ in registry.plugin_manager.list_name_plugin()} >= BUILTIN_PLUGINS
+
+
+def test_conflict_without_override_names_both_plugins():
+    registry = PluginRegistry()
+    registry.register_module(_plugin(weir_models=[ModelSpec("FooForCausalLM", "a:A")]), "first")
+    second = _plugin(weir_models=[ModelSpec("FooForCausalLM", "b:B")])
+    with pytest.raises(PluginError, match="FooForCausalLM") as error:
+        registry.register_module(second, "second", distribution="second-dist")
+    assert "'first'" in str(error.value) and "'second'" in str(error.value)
+    assert "second-dist" in str(error.value)
+
+
+def test_override_replaces_earlier_spec():
+    registry = PluginRegistry()
+    registry.register_module(_plugin(weir_moe_backends=[MoEBackendSpec("fast", "a:A")]), "first")
+    registry.register_module(
+        _plugin(weir_moe_backends=[MoEBackendSpec("fast", "b:B", override=True)]), "second",
+        distribution="second-dist", version="1.2",
+    )
+    winner = registry.moe_backends["fast"]
+    assert (winner.plugin_name, winner.spec.target) == ("second", "b:B")
+    assert winner.provider == "second (second-dist 1.2)"
+
+
+def test_broken_plugin_names_entry_point_and_package(monkeypatch):
+    monkeypatch.syspath_prepend(str(BROKEN_PLUGIN_DIR))
+    with pytest.raises(PluginError) as error:
+        load_plugins(allowed={"broken"})
+    message = str(error.value)
+    assert "'broken'" in message
+    assert "weir-broken-plugin" in message
+    assert "weir_fixture_dependency_that_is_not_installed" in message  # the original exception
+    assert isinstance(error.value.__cause__, ModuleNotFoundError)
+
+
+def test_broken_plugin_is_not_skipped_when_loading_all(monkeypatch):
+    monkeypatch.syspath_prepend(str(BROKEN_PLUGIN_DIR))
+    with pytest.raises(PluginError, match="weir-broken-plugin"):
+        load_plugins()
+
+
+@pytest.mark.parametrize("returned", [None, "torch", [ModelSpec("Foo", "a:A")], (
+    AttentionBackendSpec("x", "a:A"),
+)])
+def test_bad_hook_return_names_plugin(returned):
+    registry = PluginRegistry()
+    with pytest.raises(PluginError, match="'sloppy'.*weir_attention_backends"):
+        registry.register_module(_plugin(weir_attention_backends=returned), "sloppy")
+
+
+def test_misspelt_hook_is_an_error():
+    registry = PluginRegistry()
+    with pytest.raises(PluginError, match="'typo'"):
+        registry.register_module(_plugin(weir_model=[]), "typo")
+
+
+def test_hook_that_raises_names_plugin():
+    def failing_hook():
+        raise KeyError("boom")
+
+    plugin = types.SimpleNamespace(weir_models=hookimpl(specname="weir_models")(failing_hook))
+    with pytest.raises(PluginError, match="'raiser'.*boom"):
+        PluginRegistry().register_module(plugin, "raiser")
+
+
+def test_weir_plugins_env_filters_entry_points(monkeypatch):
+    monkeypatch.setenv("WEIR_PLUGINS", " builtin_platforms ,builtin_moe_backends")
+    registry = load_plugins()
+    assert set(registry.platforms) == {"cpu", "cuda", "rocm", "xpu"}
+    assert set(registry.moe_backends) == {"torch"}
+    assert registry.attention_backends == {} and registry.models == {}
+    # The broken plugin is never imported when WEIR_PLUGINS leaves it out.
+    monkeypatch.syspath_prepend(str(BROKEN_PLUGIN_DIR))
+    assert set(load_plugins().platforms) == {"cpu", "cuda", "rocm", "xpu"}
+
+
+def test_weir_plugins_naming_missing_plugin_is_an_error(monkeypatch):
+    monkeypatch.setenv("WEIR_PLUGINS", "builtin_platforms,not_installed")
+    with pytest.raises(PluginError, match="not_installed.*installed plugins: builtin_attention"):
+        load_plugins()
+
+
+def test_unknown_architecture_lists_known_sorted():
+    registry = PluginRegistry()
+    specs = [ModelSpec("ZetaForCausalLM", "a:A"), ModelSpec("AlphaForCausalLM", "b:B")]
+    registry.register_module(_plugin(weir_models=specs), "models")
+    with pytest.raises(ValueError, match="'GammaForCausalLM'.*AlphaForCausalLM, ZetaForCausalLM"):
+        registry.resolve_model("GammaForCausalLM")
+
+
+def test_resolve_model_imports_target_lazily_and_names_plugin_on_failure():
+    registry = PluginRegistry()
+    specs = [
+        ModelSpec("GoodForCausalLM", "weir.plugins.platforms.cpu:CpuPlatform"),
+        ModelSpec("BadForCausalLM", "weir_no_such_module.models:Bad"),
+    ]
+    registry.register_module(_plugin(weir_models=specs), "my_models", distribution="my-dist")
+    assert registry.resolve_model("GoodForCausalLM") is CpuPlatform
+    with pytest.raises(PluginError, match="'my_models'.*my-dist.*weir_no_such_module"):
+        registry.resolve_model("BadForCausalLM")
+
+
+def _cpu_registry() -> PluginRegistry:
+    return load_plugins({"builtin_platforms", "builtin_attention", "builtin_moe_backends"})
+
+
+def test_attention_backend_selection():
+    registry = _cpu_registry()
+    platform = registry.select_platform("cpu")
+    assert registry.select_attention_backend(platform, {"full_attention"}, None) is TorchAttentionBackend
+    assert registry.select_attention_backend(platform, {"full_attention"}, "torch") is TorchAttentionBackend
+    with pytest.raises(ValueError, match="layer kinds \\['linear_attention'\\]"):
+        registry.select_attention_backend(platform, {"linear_attention"}, "torch")
+    with pytest.raises(ValueError, match="no attention backend fits platform 'cpu'"):
+        registry.select_attention_backend(platform, {"linear_attention"}, None)
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'; known: torch"):
+        registry.select_attention_backend(platform, {"full_attention"}, "flash")
+
+
+def test_backend_selection_checks_device_type():
+    class TpuPlatform(CpuPlatform):
+        name = "tpu"
+        device_type = "tpu"
+
+    registry = _cpu_registry()
+    with pytest.raises(ValueError, match="device type 'tpu'"):
+        registry.select_moe_backend(TpuPlatform(), "torch")
+    with pytest.raises(ValueError, match="no MoE backend fits platform 'tpu'"):
+        registry.select_moe_backend(TpuPlatform(), None)
+
+
+def test_cli_plugins_json_lists_everything_with_providers():
+    result = CliRunner().invoke(app, ["plugins", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    by_key = {(row["kind"], row["name"]): row for row in rows}
+    assert {("platform", name) for name in ("cpu", "cuda", "rocm", "xpu")} <= set(by_key)
+    cpu = by_key[("platform", "cpu")]
+    assert cpu["available"] and cpu["active"] and cpu["provider"] == "builtin_platforms (weir-engine 0.1.0)"
+    assert [row["name"] for row in rows if row["active"]] == ["cpu"]
+    assert by_key[("moe", "torch")]["available"] is True
+    assert by_key[("model", "Qwen3ForCausalLM")]["available"] is True
+    assert by_key[("attention", "torch")]["target"].endswith(":TorchAttentionBackend")
+    assert not by_key[("platform", "cuda")]["available"]
+    assert "CUDA" in by_key[("platform", "cuda")]["reason"]
+
+
+def test_cli_plugins_table_and_plugin_error(monkeypatch):
+    table = CliRunner().invoke(app, ["plugins"], env={"COLUMNS": "200"})
+    assert table.exit_code == 0 and "builtin_platforms" in table.stdout
+    monkeypatch.syspath_prepend(str(BROKEN_PLUGIN_DIR))
+    failed = CliRunner().invoke(app, ["plugins", "--json"])
+    assert failed.exit_code == 1
+    assert "weir-broken-plugin" in failed.stderr and failed.stdout == ""
+
+
+def test_backend_target_must_implement_the_interface():
+    registry = PluginRegistry()
+    wrong = [MoEBackendSpec("wrong", "weir.plugins.attention.torch_ref:TorchAttentionBackend")]
+    registry.register_module(_plugin(weir_moe_backends=wrong), "confused", distribution="confused-dist")
+    with pytest.raises(PluginError, match="'confused'.*confused-dist.*not a subclass of weir.moe.MoEBackend"):
+        registry.resolve_moe_backend("wrong")
