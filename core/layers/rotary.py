@@ -32,6 +32,9 @@ def rope_parameters_of(hf_config: Any) -> dict[str, Any]:
     """
     raw = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     params = dict(raw)
+    nested = [key for key, value in params.items() if isinstance(value, dict)]
+    if nested:
+        raise ValueError(f"rope_parameters per layer type ({', '.join(nested)}) are not supported yet")
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
     params.pop("type", None)
     if params.get("rope_theta") is None:

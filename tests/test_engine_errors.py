@@ -1,0 +1,94 @@
+"""Bad input gets a clear error naming the problem, and the engine keeps serving."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from engine_harness import assert_nothing_held
+from weir import LLM, SamplingParams
+
+
+def test_prompt_longer_than_max_model_len(tiny_llm):
+    with pytest.raises(ValueError, match=r"300 tokens.*max_model_len is 256"):
+        tiny_llm.generate({"prompt_token_ids": [65] * 300}, SamplingParams(max_tokens=4), use_tqdm=False)
+    assert_nothing_held(tiny_llm)
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ({"prompt_token_ids": []}, SamplingParams(), "prompt is empty"),
+    ({"prompt_token_ids": [65, 100000]}, SamplingParams(), "100000 is outside the vocabulary"),
+    ({"prompt_token_ids": ["a"]}, SamplingParams(), "list of integers"),
+    (12, SamplingParams(), "string or a dict"),
+    ("hi", SamplingParams(logprobs=50), "logprobs=50 is more than max_logprobs=20"),
+    ("hi", SamplingParams(stop_token_ids=[99999]), "stop_token_ids entry 99999"),
+])
+def test_bad_requests_are_rejected_and_the_engine_keeps_serving(tiny_llm, prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_llm.generate([{"prompt_token_ids": [70, 71]}, prompt], params, use_tqdm=False)
+    assert_nothing_held(tiny_llm)
+    output = tiny_llm.generate("still serving", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(output[0].outputs[0].token_ids) == 3
+
+
+def test_max_tokens_is_clamped_to_the_context(tiny_llm):
+    output = tiny_llm.generate({"prompt_token_ids": [65] * 250}, SamplingParams(max_tokens=100, ignore_eos=True),
+                               use_tqdm=False)[0]
+    assert len(output.outputs[0].token_ids) == 6 and output.outputs[0].finish_reason == "length"
+
+
+def test_abort_frees_everything(tiny_llm):
+    engine = tiny_llm.engine
+    for index in range(4):
+        engine.add_request(f"abort-{index}", {"prompt_token_ids": [66] * (10 + index)},
+                           SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    engine.abort_request([f"abort-{index}" for index in range(4)])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_nothing_held(tiny_llm)
+
+
+def test_unknown_engine_option():
+    with pytest.raises(TypeError, match="unknown engine option.*max_batch"):
+        LLM("whatever", max_batch=3)
+
+
+def test_missing_model_path(tmp_path):
+    with pytest.raises((ValueError, FileNotFoundError), match="does-not-exist"):
+        LLM(str(tmp_path / "does-not-exist"))
+
+
+def test_unknown_architecture_lists_known_ones(tiny_llama_path, tmp_path):
+    copy = shutil.copytree(tiny_llama_path, tmp_path / "foo")
+    config = json.loads((copy / "config.json").read_text())
+    config["architectures"] = ["FooForCausalLM"]
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"FooForCausalLM.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        LLM(str(copy), device="cpu")
+
+
+def test_kv_cache_too_small_for_max_model_len(tiny_llama_path):
+    with pytest.raises(ValueError, match="fewer than max_model_len=256"):
+        LLM(str(tiny_llama_path), device="cpu", max_model_len=256, kv_cache_memory_bytes=4096)
+
+
+def test_invalid_engine_option_values(tiny_llama_path):
+    with pytest.raises(ValueError, match="max_num_seqs must be positive"):
+        LLM(str(tiny_llama_path), max_num_seqs=0)
+    with pytest.raises(ValueError, match="dtype must be"):
+        LLM(str(tiny_llama_path), dtype="int3")
+    with pytest.raises(ValueError, match="max_model_len=9999 is longer"):
+        LLM(str(tiny_llama_path), max_model_len=9999)
+
+
+def test_unavailable_device(tiny_llama_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(RuntimeError, match="cuda"):
+        LLM(str(tiny_llama_path), device="cuda")

@@ -1,0 +1,142 @@
+"""Sampling through the whole engine: seeds, top_k=1, stop strings, min_tokens, penalties,
+logprobs and n."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from engine_harness import assert_nothing_held, watch_engine
+from weir import SamplingParams
+
+PROMPT = {"prompt_token_ids": [72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]}
+
+
+def token_prompts(count: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(256) for _ in range(rng.randrange(3, 40))]} for _ in range(count)]
+
+
+def generate_one(llm, params, prompt=PROMPT):
+    return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+
+
+def test_seeded_request_is_reproducible_whatever_else_is_in_the_batch(tiny_llm):
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = generate_one(tiny_llm, seeded).token_ids
+    others = [SamplingParams(temperature=t, top_p=p, max_tokens=m, ignore_eos=True)
+              for t, p, m in [(0.7, 0.9, 5), (1.3, 1.0, 30), (0.0, 1.0, 12), (1.0, 0.5, 20)]]
+    for mix_seed, position in [(1, 0), (2, 2), (3, 4)]:
+        prompts = token_prompts(4, mix_seed)
+        params = list(others)
+        prompts.insert(position, PROMPT)
+        params.insert(position, seeded)
+        outputs = tiny_llm.generate(prompts, params, use_tqdm=False)
+        assert outputs[position].outputs[0].token_ids == alone
+    other_seed = generate_one(tiny_llm, seeded.clone(seed=4321)).token_ids
+    assert other_seed != alone
+    assert_nothing_held(tiny_llm)
+
+
+def test_top_k_1_equals_greedy(tiny_llm):
+    greedy = generate_one(tiny_llm, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    top1 = generate_one(tiny_llm, SamplingParams(temperature=1.5, top_k=1, max_tokens=24, ignore_eos=True))
+    assert top1.token_ids == greedy.token_ids
+
+
+def test_stop_string_is_cut_and_reported(tiny_llm):
+    greedy = generate_one(tiny_llm, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    text = greedy.text
+    start = next(i for i in range(3, len(text) - 2) if "\ufffd" not in text[i:i + 2])
+    stop = text[start:start + 2]
+    stopped = generate_one(tiny_llm, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]))
+    assert stopped.text == text[: text.index(stop)]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
+    assert len(stopped.token_ids) < len(greedy.token_ids)
+
+
+def test_stop_token_and_min_tokens(tiny_llm):
+    greedy = generate_one(tiny_llm, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)).token_ids
+    stop_token = greedy[3]
+    first = greedy.index(stop_token)
+    stopped = generate_one(tiny_llm, SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_token]))
+    assert stopped.token_ids == greedy[: first + 1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_token
+
+    held = generate_one(tiny_llm, SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_token],
+                                                 min_tokens=10))
+    assert len(held.token_ids) >= 10
+    assert stop_token not in held.token_ids[:10]  # banned until min_tokens are out
+    if held.finish_reason == "stop":
+        assert held.token_ids[-1] == stop_token and stop_token not in held.token_ids[:-1]
+    else:
+        assert len(held.token_ids) == 30
+
+
+def penalised(raw_logits, prompt_ids, output_ids, presence=0.0, frequency=0.0, repetition=1.0):
+    logits = raw_logits.clone()
+    counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=logits.shape[0])
+    seen = counts > 0
+    seen[torch.tensor(prompt_ids)] = True
+    logits = torch.where(seen & (logits > 0), logits / repetition, logits)
+    logits = torch.where(seen & (logits <= 0), logits * repetition, logits)
+    return logits - frequency * counts - presence * (counts > 0).float()
+
+
+def test_penalties_change_what_they_should(tiny_llm):
+    prompt_ids = PROMPT["prompt_token_ids"]
+    base = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = generate_one(tiny_llm, base).token_ids
+    for penalty in [dict(frequency=1.5), dict(presence=1.5), dict(repetition=3.0)]:
+        params = base.clone(frequency_penalty=penalty.get("frequency", 0.0),
+                            presence_penalty=penalty.get("presence", 0.0),
+                            repetition_penalty=penalty.get("repetition", 1.0))
+        watch = watch_engine_fresh(tiny_llm)
+        output = tiny_llm.generate(PROMPT, params, use_tqdm=False)[0]
+        tokens = output.outputs[0].token_ids
+        raw = watch.logits[output.request_id]
+        for index, token in enumerate(tokens):
+            expected = penalised(raw[index], prompt_ids, tokens[:index], **penalty)
+            assert int(expected.argmax()) == token, (penalty, index)
+        assert tokens != plain, penalty
+    assert len(set(generate_one(tiny_llm, base.clone(presence_penalty=2.0)).token_ids)) >= len(set(plain))
+
+
+def watch_engine_fresh(llm):
+    """watch_engine on an engine that may already be instrumented: unwrap first."""
+    for obj, name in [(llm.engine.runner.model, "compute_logits"), (llm.engine.runner, "execute"),
+                      (llm.engine, "step")]:
+        obj.__dict__.pop(name, None)
+    return watch_engine(llm)
+
+
+def test_logprobs_equal_log_softmax_of_the_logits(tiny_llm):
+    watch = watch_engine_fresh(tiny_llm)
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True, logprobs=5)
+    output = tiny_llm.generate(PROMPT, params, use_tqdm=False)[0]
+    completion = output.outputs[0]
+    raw = watch.logits[output.request_id]
+    assert len(completion.logprobs) == len(completion.token_ids)
+    cumulative = 0.0
+    for index, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        expected = torch.log_softmax(raw[index], dim=-1)
+        assert abs(entry[token].logprob - expected[token].item()) < 1e-5
+        assert entry[token].rank == int((expected > expected[token]).sum()) + 1
+        top_values, top_ids = expected.topk(5)
+        for rank, (value, token_id) in enumerate(zip(top_values.tolist(), top_ids.tolist()), start=1):
+            assert abs(entry[token_id].logprob - value) < 1e-5
+        assert set(entry) <= set(top_ids.tolist()) | {token}
+        cumulative += expected[token].item()
+    assert abs(completion.cumulative_logprob - cumulative) < 1e-4
+
+
+def test_n_completions_share_one_prompt(tiny_llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=10, ignore_eos=True)
+    first = tiny_llm.generate(PROMPT, params, use_tqdm=False)[0]
+    again = tiny_llm.generate(PROMPT, params, use_tqdm=False)[0]
+    assert [c.index for c in first.outputs] == [0, 1, 2]
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+    assert len({tuple(c.token_ids) for c in first.outputs}) > 1
+    assert all(len(c.token_ids) == 10 and c.finish_reason == "length" for c in first.outputs)
+    assert_nothing_held(tiny_llm)
