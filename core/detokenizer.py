@@ -100,6 +100,13 @@ class IncrementalDetokenizer:
             self._text = self._text[:earliest_start]
             self.stop_string_hit = earliest_stop
 
+    def visible_text(self, finished: bool) -> str:
+        """The text a client may see now: all of it once finished, otherwise without the last
+        ``longest stop - 1`` characters, which could still turn out to start a stop string."""
+        if finished or self.stop_string_hit is not None:
+            return self._text
+        return self._text[: max(0, len(self._text) - max(0, self._longest_stop - 1))]
+
     def next_delta(self, finished: bool) -> str:
         """Text not yet handed out. While the completion runs, the last ``longest stop - 1``
         characters are withheld, so a stream never shows the start of a stop string."""

@@ -50,7 +50,7 @@ class _Parent:
             request = child.request
             finish_reason = request.status.value if request.is_finished else None
             completions.append(CompletionOutput(
-                index=child.index, text=child.detokenizer.output_text,
+                index=child.index, text=child.detokenizer.visible_text(request.is_finished),
                 token_ids=list(request.output_token_ids), cumulative_logprob=child.cumulative_logprob,
                 logprobs=child.logprobs, finish_reason=finish_reason, stop_reason=request.stop_reason,
             ))
@@ -155,6 +155,12 @@ class LLMEngine:
             for child in parent.children:
                 self._child_of.pop(child.request.request_id, None)
                 self.scheduler.finish_request(child.request.request_id, RequestStatus.FINISHED_ABORTED)
+
+    def reset_after_failure(self) -> None:
+        """After a step raised: drop the steps in flight and abort every request, so the next
+        requests start from a consistent state (their rows and blocks are freed as usual)."""
+        self._in_flight.clear()
+        self.abort_request(list(self._parents))
 
     def has_unfinished_requests(self) -> bool:
         """True while any request, step in flight, or runner row still needs a step."""
