@@ -56,6 +56,9 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
     supported_devices: ClassVar[frozenset[str]]
     supported_layer_kinds: ClassVar[frozenset[str]] = frozenset({"full_attention"})
+    # Decode launches read per-request lengths from device tensors only, and their grids depend
+    # on host sizes that stay fixed for a padded batch size: safe to capture in a CUDA graph.
+    supports_cuda_graphs: ClassVar[bool] = False
 
     def __init__(self, block_size: int, dtype: torch.dtype, device: torch.device):
         self.block_size = block_size

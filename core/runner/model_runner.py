@@ -4,13 +4,14 @@ The runner holds everything per-request on the device (``RequestTable``); each s
 sends only the scheduler's diff, the batch's ``idx_mapping`` (batch position -> table row)
 and ``query_start_loc``. Inputs are gathered on the device, sampled tokens are written back
 into the table on the device, and results come back through an ``AsyncOutput``. Nothing in
-``execute`` reads a device value on the host.
+``execute`` reads a device value on the host. Decode-only batches replay CUDA graphs.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 
 import numpy as np
 import torch
@@ -19,7 +20,9 @@ from weir.attention import AttentionBackend, AttentionMetadata, ForwardContext
 from weir.config import EngineConfig
 from weir.platform import Platform
 from weir.runner.async_output import AsyncOutput
+from weir.runner.cuda_graphs import CudaGraphRunner, default_capture_sizes
 from weir.runner.inputs import compute_slot_mapping, gather_block_tables, post_update, prepare_step_inputs
+from weir.runner.memory import profile_peak_bytes
 from weir.runner.request_table import RequestTable
 from weir.runner.sampling import gather_sampling_metadata
 from weir.runner.staged_write import host_to_device
@@ -29,6 +32,7 @@ from weir.weights import iter_checkpoint
 from weir.weights.loader import load_model
 
 logger = logging.getLogger(__name__)
+GiB = 2**30
 
 
 class ModelRunner:
@@ -41,27 +45,39 @@ class ModelRunner:
         model_config = config.model
         self.dtype = model_config.dtype
         self.block_size = config.cache.block_size
+        max_model_len = config.scheduler.max_model_len
+        self.max_blocks_per_req = math.ceil(max_model_len / self.block_size)
 
+        start = time.perf_counter()
         self.model = load_model(model_cls, model_config, self.device, iter_checkpoint(model_config))
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        logger.info("weights: %.2f GiB loaded in %.1f s", self.weight_bytes / GiB, time.perf_counter() - start)
         self.attn_layers = self.model.attention_layers()
         self.attn_backend = attn_backend_cls(self.block_size, self.dtype, self.device)
+        self.sampler = Sampler()
+        self.kv_caches: list[torch.Tensor | None] = [None] * (max(l.layer_idx for l in self.attn_layers) + 1)
 
+        self.use_graphs = (platform.supports_graphs and attn_backend_cls.supports_cuda_graphs
+                           and not config.enforce_eager and self.device.type == "cuda")
+        self.max_graph_batch = min(config.scheduler.max_num_seqs, 512)
         self.num_blocks = self._num_kv_blocks()
-        num_layers = max(layer.layer_idx for layer in self.attn_layers) + 1
-        self.kv_caches: list[torch.Tensor | None] = [None] * num_layers
         for layer in self.attn_layers:
             shape = self.attn_backend.kv_cache_shape(self.num_blocks, layer)
             self.kv_caches[layer.layer_idx] = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
-        max_model_len = config.scheduler.max_model_len
         self.table = RequestTable(
             max_num_reqs=config.scheduler.max_num_seqs, max_model_len=max_model_len,
-            max_blocks_per_req=math.ceil(max_model_len / self.block_size),
-            vocab_size=model_config.vocab_size, device=self.device, pin_memory=self.pin_memory,
+            max_blocks_per_req=self.max_blocks_per_req, vocab_size=model_config.vocab_size,
+            device=self.device, pin_memory=self.pin_memory,
         )
-        self.sampler = Sampler()
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.graphs = None
+        if self.use_graphs:
+            self.graphs = CudaGraphRunner(
+                self.model, self.attn_backend, self.kv_caches,
+                default_capture_sizes(config.scheduler.max_num_seqs), self.max_blocks_per_req,
+                max_model_len, self.device)
+            self.graphs.capture()
 
     # ---- KV cache sizing ---------------------------------------------------------------
 
@@ -70,27 +86,34 @@ class ModelRunner:
         per_block = sum(math.prod(self.attn_backend.kv_cache_shape(1, layer)) for layer in self.attn_layers)
         return per_block * self.dtype.itemsize
 
-    def _num_kv_blocks(self) -> int:
+    def _kv_budget_bytes(self) -> int:
         cache = self.config.cache
         if cache.kv_cache_memory_bytes is not None:
-            budget = cache.kv_cache_memory_bytes
-        elif self.device.type == "cpu":
-            budget = self.platform.default_kv_cache_bytes(self.weight_bytes)
-        else:
-            free, total = self.platform.memory_info()
-            budget = int(total * cache.gpu_memory_utilization) - (total - free)
-        max_model_len = self.config.scheduler.max_model_len
-        blocks_per_seq = math.ceil(max_model_len / self.block_size)
+            return cache.kv_cache_memory_bytes
+        if self.device.type == "cpu":
+            return self.platform.default_kv_cache_bytes(self.weight_bytes)
+        step_peak, decode_peak = profile_peak_bytes(self)
+        graph_reserve = decode_peak if self.use_graphs else 0
+        free, total = self.platform.memory_info()
+        budget = int(total * cache.gpu_memory_utilization) - (total - free) - step_peak - graph_reserve
+        logger.info("memory: weights %.2f GiB, activations %.2f GiB, graphs (reserved) %.2f GiB, "
+                    "KV budget %.2f GiB of %.2f GiB x %.2f", self.weight_bytes / GiB, step_peak / GiB,
+                    graph_reserve / GiB, budget / GiB, total / GiB, cache.gpu_memory_utilization)
+        return budget
+
+    def _num_kv_blocks(self) -> int:
+        budget = self._kv_budget_bytes()
+        scheduler = self.config.scheduler
         # More blocks than every row at full length can use would only waste memory.
-        most_useful = self.config.scheduler.max_num_seqs * blocks_per_seq + 1
-        num_blocks = min(budget // self.kv_bytes_per_block, most_useful)
-        if num_blocks - 1 < blocks_per_seq:
+        most_useful = scheduler.max_num_seqs * self.max_blocks_per_req + 1
+        num_blocks = min(max(budget, 0) // self.kv_bytes_per_block, most_useful)
+        if num_blocks - 1 < self.max_blocks_per_req:
             raise ValueError(
-                f"the KV cache budget ({budget / 2**30:.2f} GiB) holds {max(num_blocks - 1, 0) * self.block_size} "
-                f"tokens, fewer than max_model_len={max_model_len}; raise kv_cache_memory_bytes "
+                f"the KV cache budget ({budget / GiB:.2f} GiB) holds {max(num_blocks - 1, 0) * self.block_size} "
+                f"tokens, fewer than max_model_len={scheduler.max_model_len}; raise kv_cache_memory_bytes "
                 f"(or gpu_memory_utilization) or lower max_model_len")
         logger.info("KV cache: %.2f GiB, %d blocks of %d tokens = %d tokens",
-                    num_blocks * self.kv_bytes_per_block / 2**30, num_blocks, self.block_size,
+                    num_blocks * self.kv_bytes_per_block / GiB, num_blocks, self.block_size,
                     (num_blocks - 1) * self.block_size)
         return num_blocks
 
@@ -112,33 +135,47 @@ class ModelRunner:
             return None
         table = self.table
         req_ids = list(out.num_scheduled_tokens)  # batch order
+        num_reqs = len(req_ids)
         rows = np.array([table.row_of[req_id] for req_id in req_ids], dtype=np.int64)
         query_lens = np.array([out.num_scheduled_tokens[req_id] for req_id in req_ids], dtype=np.int64)
-        query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        seq_lens_host = table.num_computed_host[rows] + query_lens
+        max_query_len = int(query_lens.max())
+        max_seq_len = int((table.num_computed_host[rows] + query_lens).max())
 
-        idx_mapping = host_to_device(rows, self.device, self.pin_memory)
+        graph_batch = None
+        if self.graphs is not None and max_query_len == 1:
+            graph_batch = self.graphs.padded_size(num_reqs)
+        batch = graph_batch or num_reqs
+        padded_rows = np.full(batch, table.padding_row, dtype=np.int64)
+        padded_rows[:num_reqs] = rows
+        query_start_loc = np.arange(batch + 1, dtype=np.int32)  # padding requests: one token each
+        np.cumsum(query_lens, out=query_start_loc[1: num_reqs + 1])
+        query_start_loc[num_reqs + 1:] += query_start_loc[num_reqs] - num_reqs
+        num_tokens = int(query_start_loc[-1])
+
+        idx_mapping = host_to_device(padded_rows, self.device, self.pin_memory)
         qsl = host_to_device(query_start_loc, self.device, self.pin_memory)
         input_ids, positions, seq_lens = prepare_step_inputs(
             table.token_ids.gpu, table.num_computed_tokens.gpu, idx_mapping, qsl, num_tokens)
         block_tables = gather_block_tables(table.block_table.gpu, idx_mapping)
         slot_mapping = compute_slot_mapping(block_tables, qsl, positions, self.block_size)
-        metadata = self.attn_backend.build_metadata(AttentionMetadata(
-            query_start_loc=qsl, seq_lens=seq_lens, block_tables=block_tables, slot_mapping=slot_mapping,
-            num_reqs=len(req_ids), num_tokens=num_tokens, max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens_host.max()),
-        ))
-        ctx = ForwardContext(self.attn_backend, metadata, self.kv_caches)
-        hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
-        logits = self.model.compute_logits(hidden[qsl[1:].long() - 1]).float()  # [B, V]
+        if graph_batch is not None:
+            logits = self.graphs.replay(graph_batch, input_ids, positions, seq_lens, block_tables, slot_mapping)
+        else:
+            metadata = self.attn_backend.build_metadata(AttentionMetadata(
+                query_start_loc=qsl, seq_lens=seq_lens, block_tables=block_tables, slot_mapping=slot_mapping,
+                num_reqs=batch, num_tokens=num_tokens, max_query_len=max_query_len, max_seq_len=max_seq_len,
+            ))
+            hidden = self.model(input_ids, positions, ForwardContext(self.attn_backend, metadata, self.kv_caches))
+            logits = self.model.compute_logits(hidden[qsl[1:].long() - 1])  # [B, V]
+        logits = logits[:num_reqs].float()
 
-        sampling_metadata = gather_sampling_metadata(table, rows, idx_mapping, seq_lens, req_ids,
-                                                    out.min_tokens_req_ids)
+        real_rows = idx_mapping[:num_reqs]
+        sampling_metadata = gather_sampling_metadata(table, rows, real_rows, seq_lens[:num_reqs], req_ids,
+                                                     out.min_tokens_req_ids)
         sampled = self.sampler.sample(logits, sampling_metadata)
         post_update(table.token_ids.gpu, table.num_tokens.gpu, table.num_computed_tokens.gpu,
-                    table.output_token_counts, idx_mapping, qsl[1:] - qsl[:-1], sampled.sampled_token_ids)
+                    table.output_token_counts, real_rows, qsl[1: num_reqs + 1] - qsl[:num_reqs],
+                    sampled.sampled_token_ids)
         table.num_computed_host[rows] += query_lens
         return AsyncOutput(req_ids, sampled.sampled_token_ids, sampled.logprob_token_ids,
                            sampled.logprobs, sampled.sampled_token_ranks, self.copy_stream)

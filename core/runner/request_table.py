@@ -23,13 +23,16 @@ class RequestTable:
         self.vocab_size = vocab_size
         self.device = device
         self.pin_memory = pin_memory
+        # One spare row past the real ones pads CUDA-graph batches: never handed out, all zeros,
+        # so its block table points at the null block only.
+        self.padding_row = max_num_reqs
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.row_of: dict[str, int] = {}
 
         def staged(shape, dtype, fill=0):
             return StagedWriteTensor(shape, dtype, device, pin_memory, fill)
 
-        R = max_num_reqs
+        R = max_num_reqs + 1
         self.token_ids = staged((R, max_model_len), torch.int32)
         self.num_tokens = staged((R,), torch.int32)  # known tokens, grown on the device by sampling
         self.num_computed_tokens = staged((R,), torch.int32)

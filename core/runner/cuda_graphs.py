@@ -1,0 +1,105 @@
+"""CUDA graphs for decode-only batches.
+
+A decode batch of ``num_reqs`` requests (one query token each) is padded to the next captured
+size and replayed from a graph that holds the whole model forward plus the logits. Padding
+requests point at the request table's spare row, whose block table is all null block, so
+they read and write only the null block. Graphs are captured largest first into one memory
+pool (smaller batches reuse the larger ones' memory); the pool's size is measured, not guessed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from weir.attention import AttentionMetadata, ForwardContext
+
+logger = logging.getLogger(__name__)
+
+
+def default_capture_sizes(max_num_seqs: int, limit: int = 512) -> list[int]:
+    largest = min(max_num_seqs, limit)
+    sizes = [1, 2, 4, 8] + list(range(16, largest + 1, 16))
+    return sorted({size for size in sizes if size <= largest} | {largest})
+
+
+@dataclass
+class _StaticInputs:
+    input_ids: torch.Tensor  # [max_bs] int64
+    positions: torch.Tensor  # [max_bs] int64
+    seq_lens: torch.Tensor  # [max_bs] int32
+    query_start_loc: torch.Tensor  # [max_bs + 1] int32
+    block_tables: torch.Tensor  # [max_bs, max_blocks_per_req] int32
+    slot_mapping: torch.Tensor  # [max_bs] int64
+
+
+class CudaGraphRunner:
+    def __init__(self, model, attn_backend, kv_caches, capture_sizes: list[int], max_blocks_per_req: int,
+                 max_model_len: int, device: torch.device):
+        self.model = model
+        self.attn_backend = attn_backend
+        self.kv_caches = kv_caches
+        self.capture_sizes = sorted(capture_sizes)
+        self.max_model_len = max_model_len
+        max_bs = self.capture_sizes[-1]
+        self.static = _StaticInputs(
+            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=device),
+            positions=torch.zeros(max_bs, dtype=torch.int64, device=device),
+            seq_lens=torch.ones(max_bs, dtype=torch.int32, device=device),
+            query_start_loc=torch.arange(max_bs + 1, dtype=torch.int32, device=device),
+            block_tables=torch.zeros(max_bs, max_blocks_per_req, dtype=torch.int32, device=device),
+            slot_mapping=torch.zeros(max_bs, dtype=torch.int64, device=device),
+        )
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool_bytes = 0
+
+    def padded_size(self, num_reqs: int) -> int | None:
+        index = bisect.bisect_left(self.capture_sizes, num_reqs)
+        return self.capture_sizes[index] if index < len(self.capture_sizes) else None
+
+    def _metadata(self, batch_size: int) -> AttentionMetadata:
+        s = self.static
+        return self.attn_backend.build_metadata(AttentionMetadata(
+            query_start_loc=s.query_start_loc[: batch_size + 1], seq_lens=s.seq_lens[:batch_size],
+            block_tables=s.block_tables[:batch_size], slot_mapping=s.slot_mapping[:batch_size],
+            num_reqs=batch_size, num_tokens=batch_size, max_query_len=1, max_seq_len=self.max_model_len,
+        ))
+
+    def _forward(self, batch_size: int) -> torch.Tensor:
+        ctx = ForwardContext(self.attn_backend, self._metadata(batch_size), self.kv_caches)
+        hidden = self.model(self.static.input_ids[:batch_size], self.static.positions[:batch_size], ctx)
+        return self.model.compute_logits(hidden)  # [batch_size, vocab]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        pool = torch.cuda.graph_pool_handle()
+        for batch_size in reversed(self.capture_sizes):
+            self._forward(batch_size)  # compile and autotune outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[batch_size] = self._forward(batch_size)
+            self.graphs[batch_size] = graph
+        torch.cuda.synchronize()
+        self.pool_bytes = free_before - torch.cuda.mem_get_info()[0]
+        logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s, %.2f GiB",
+                    len(self.graphs), self.capture_sizes[-1], time.perf_counter() - start,
+                    self.pool_bytes / 2**30)
+
+    def replay(self, batch_size: int, input_ids, positions, seq_lens, block_tables, slot_mapping) -> torch.Tensor:
+        """Inputs are already padded to ``batch_size``; returns logits [batch_size, vocab]."""
+        s = self.static
+        s.input_ids[:batch_size].copy_(input_ids)
+        s.positions[:batch_size].copy_(positions)
+        s.seq_lens[:batch_size].copy_(seq_lens)
+        s.block_tables[:batch_size].copy_(block_tables)
+        s.slot_mapping[:batch_size].copy_(slot_mapping)
+        self.graphs[batch_size].replay()
+        return self.logits[batch_size]

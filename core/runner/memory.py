@@ -1,0 +1,83 @@
+"""Sizing the KV cache from a profiling run on accelerators.
+
+The profile runs one forward at ``max_num_batched_tokens`` (the largest step the scheduler
+can issue) plus the sampler at ``max_num_seqs`` rows, against a one-block scratch cache, and
+records the peak memory it allocated beyond the weights. It also compiles the kernels the
+first real prefill would otherwise compile.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from weir.attention import AttentionMetadata, ForwardContext
+from weir.sample.metadata import build_sampling_metadata
+from weir.sampling_params import SamplingParams
+
+
+def split_tokens(num_tokens: int, max_len: int, max_reqs: int) -> list[int]:
+    """Query lengths of a dummy batch of ``num_tokens`` tokens: as few requests as fit."""
+    num_reqs = min(max_reqs, max(1, math.ceil(num_tokens / max_len)))
+    base, extra = divmod(num_tokens, num_reqs)
+    return [min(max_len, base + (1 if i < extra else 0)) for i in range(num_reqs)]
+
+
+@torch.inference_mode()
+def dummy_forward(runner, query_lens: list[int], kv_caches) -> torch.Tensor:
+    """A forward over fake requests whose keys all live in the null block (block 0)."""
+    device, block_size = runner.device, runner.block_size
+    num_tokens = sum(query_lens)
+    qsl = np.zeros(len(query_lens) + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=qsl[1:])
+    positions = np.concatenate([np.arange(n) for n in query_lens])
+    max_blocks = math.ceil(max(query_lens) / block_size)
+    metadata = runner.attn_backend.build_metadata(AttentionMetadata(
+        query_start_loc=torch.from_numpy(qsl).to(device),
+        seq_lens=torch.tensor(query_lens, dtype=torch.int32, device=device),
+        block_tables=torch.zeros(len(query_lens), max_blocks, dtype=torch.int32, device=device),
+        slot_mapping=torch.from_numpy(positions % block_size).to(device),
+        num_reqs=len(query_lens), num_tokens=num_tokens, max_query_len=max(query_lens),
+        max_seq_len=max(query_lens),
+    ))
+    input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    ctx = ForwardContext(runner.attn_backend, metadata, kv_caches)
+    hidden = runner.model(input_ids, torch.from_numpy(positions).to(device), ctx)
+    return runner.model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1])
+
+
+def profile_peak_bytes(runner) -> tuple[int, int]:
+    """(peak bytes of the largest step, peak bytes of the largest decode graph batch),
+    each beyond what was allocated before the profile."""
+    scheduler = runner.config.scheduler
+    scratch = [None] * len(runner.kv_caches)
+    for layer in runner.attn_layers:
+        shape = runner.attn_backend.kv_cache_shape(1, layer)
+        scratch[layer.layer_idx] = torch.zeros(shape, dtype=runner.dtype, device=runner.device)
+
+    def peak_of(fn) -> int:
+        torch.cuda.synchronize(runner.device)
+        torch.cuda.reset_peak_memory_stats(runner.device)
+        before = torch.cuda.memory_allocated(runner.device)
+        fn()
+        torch.cuda.synchronize(runner.device)
+        return torch.cuda.max_memory_allocated(runner.device) - before
+
+    def largest_step():
+        query_lens = split_tokens(scheduler.max_num_batched_tokens, scheduler.max_model_len,
+                                  scheduler.max_num_seqs)
+        dummy_forward(runner, query_lens, scratch)
+        num_rows = scheduler.max_num_seqs
+        logits = torch.randn(num_rows, runner.config.model.vocab_size, device=runner.device)
+        metadata = build_sampling_metadata([SamplingParams(temperature=0.7)] * num_rows,
+                                           seeds=list(range(num_rows)), positions=[1] * num_rows,
+                                           vocab_size=logits.shape[1], device=runner.device)
+        runner.sampler.sample(logits, metadata)
+
+    step_peak = peak_of(largest_step)
+    decode_peak = peak_of(lambda: dummy_forward(runner, [1] * runner.max_graph_batch, scratch))
+    del scratch
+    torch.cuda.empty_cache()
+    return step_peak, decode_peak

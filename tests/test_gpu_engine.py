@@ -1,0 +1,111 @@
+"""The engine end to end on CUDA, bf16: greedy parity with transformers, graphs vs eager, and
+no implicit device synchronisation in the step loop. Runs on the GPU machine (marked gpu)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine_harness import assert_nothing_held, watch_engine
+from helpers_models import make_tiny_qwen3
+from weir import LLM, SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+NUM_TOKENS = 32
+
+
+@torch.no_grad()
+def hf_greedy_bf16(model, prompt_ids: list[int], num_tokens: int):
+    out = model(input_ids=torch.tensor([prompt_ids], device="cuda"), use_cache=True)
+    tokens, logits = [], []
+    for _ in range(num_tokens):
+        step_logits = out.logits[0, -1].float()
+        logits.append(step_logits)
+        tokens.append(int(step_logits.argmax()))
+        out = model(input_ids=torch.tensor([[tokens[-1]]], device="cuda"),
+                    past_key_values=out.past_key_values, use_cache=True)
+    return tokens, torch.stack(logits)
+
+
+def assert_greedy_parity(weir_tokens, hf_tokens, hf_logits, margin_tol):
+    """Identical until the first difference; a difference is allowed only where transformers'
+    own top-2 margin is within bf16 noise (two near-tied tokens)."""
+    for index, (ours, theirs) in enumerate(zip(weir_tokens, hf_tokens)):
+        if ours != theirs:
+            margin = (hf_logits[index][theirs] - hf_logits[index][ours]).item()
+            assert margin <= margin_tol, f"token {index}: {ours} vs {theirs}, reference margin {margin:.3f}"
+            return index
+    assert len(weir_tokens) == len(hf_tokens)
+    return len(weir_tokens)
+
+
+@pytest.fixture(scope="module")
+def qwen3_path(tmp_path_factory):
+    return make_tiny_qwen3(tmp_path_factory.mktemp("qwen3_gpu"), with_tokenizer=True, num_hidden_layers=4,
+                           hidden_size=256, intermediate_size=512, head_dim=64)
+
+
+def test_qwen3_bf16_parity_and_graphs_match_eager(qwen3_path):
+    from transformers import AutoModelForCausalLM
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (5, 17, 33, 64, 100, 130, 7, 250)]
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    results = {}
+    for eager in (False, True):
+        llm = LLM(str(qwen3_path), dtype="bfloat16", enforce_eager=eager, max_num_batched_tokens=128,
+                  gpu_memory_utilization=0.3, max_model_len=512)
+        assert (llm.engine.runner.graphs is not None) == (not eager and llm.engine.runner.attn_backend.supports_cuda_graphs)
+        watch_engine(llm)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results[eager] = [o.outputs[0].token_ids for o in outputs]
+        assert_nothing_held(llm)
+        del llm
+        torch.cuda.empty_cache()
+    assert results[False] == results[True]
+
+    hf = AutoModelForCausalLM.from_pretrained(qwen3_path, dtype=torch.bfloat16).cuda()
+    matched = [assert_greedy_parity(ours, *hf_greedy_bf16(hf, p, NUM_TOKENS), margin_tol=0.25)
+               for ours, p in zip(results[False], prompts)]
+    print("tokens identical before any near-tie divergence:", matched)
+
+
+def test_default_model_bf16_matches_transformers():
+    from transformers import AutoModelForCausalLM
+
+    from weir.default_model import ensure_default_model
+    from weir.tokenizer import apply_chat_template
+
+    llm = LLM(dtype="bfloat16", gpu_memory_utilization=0.3)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    answer = llm.chat(question, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0].outputs[0]
+    assert "Paris" in answer.text
+    gguf = ensure_default_model()
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16).cuda()
+    prompt_ids = apply_chat_template(llm.get_tokenizer(), question, None)
+    hf_tokens, hf_logits = hf_greedy_bf16(hf, prompt_ids, len(answer.token_ids))
+    assert_greedy_parity(answer.token_ids, hf_tokens, hf_logits, margin_tol=0.25)
+
+
+def test_no_implicit_sync_in_the_step_loop(qwen3_path):
+    llm = LLM(str(qwen3_path), dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=512)
+    engine = llm.engine
+    rng = random.Random(1)
+    for index in range(24):
+        engine.add_request(str(index), {"prompt_token_ids": [rng.randrange(256) for _ in range(40 + index)]},
+                           SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, ignore_eos=True, seed=index))
+    for _ in range(4):  # prefill and warm-up
+        engine.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # implicit syncs (.item(), unpinned copies...) raise
+    try:
+        for _ in range(20):  # the host waits only on the copy event of the step before
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_nothing_held(llm)
