@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import typer
 
+from weir.cli.bench import bench_app
 from weir.cli.generate_cmd import generate
 from weir.cli.plugins_cmd import plugins
+from weir.cli.serve_cmd import serve
 
 app = typer.Typer(
     name="weir",
@@ -22,11 +24,12 @@ app = typer.Typer(
 @app.callback()
 def _main() -> None:
     """Weir: a small, fast LLM inference and serving engine."""
-    # A callback keeps Typer in subcommand mode even while only one command is registered.
 
 
 app.command("generate")(generate)
 app.command("plugins")(plugins)
+app.command("serve")(serve)
+app.add_typer(bench_app, name="bench")
 
 
 if __name__ == "__main__":

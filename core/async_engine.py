@@ -2,8 +2,8 @@
 
 Callers on the event loop submit requests and read each one's outputs from its own queue; the
 thread owns the ``LLMEngine`` (nothing else touches it), so many concurrent requests share its
-batches without locks around the engine itself. Commands (add, abort) reach the thread through a
-queue; outputs come back with ``call_soon_threadsafe``.
+batches without locks around the engine itself. Commands (add, abort, call) reach the thread
+through a queue; each step's outputs go back to each event loop in one ``call_soon_threadsafe``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import concurrent.futures
 import logging
 import queue
 import threading
+from collections import defaultdict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from weir.engine import LLMEngine
 from weir.outputs import RequestOutput
@@ -31,17 +31,47 @@ class RequestFailedError(RuntimeError):
     """This request failed inside the engine; other requests go on."""
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue  # RequestOutput, or an exception that ends the stream
+class RequestStream:
+    """One admitted request's outputs, each cumulative (text and token ids so far).
+
+    Iterate it; ``close()`` (also on cancellation) aborts the request if it has not finished,
+    which frees its KV blocks on the engine's next command pass."""
+
+    def __init__(self, engine: "AsyncLLMEngine", request_id: str, loop: asyncio.AbstractEventLoop):
+        self.engine = engine
+        self.request_id = request_id
+        self.loop = loop
+        self.outputs: asyncio.Queue = asyncio.Queue()  # RequestOutput, or an exception that ends it
+        self.finished = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.outputs.get()
+        # Outputs are cumulative, so a consumer that fell behind needs only the newest one.
+        while not self.outputs.empty() and not isinstance(item, BaseException):
+            item = self.outputs.get_nowait()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
 
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weir-engine", daemon=True)
         self._thread.start()
@@ -52,40 +82,62 @@ class AsyncLLMEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and not self._stopping.is_set()
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
 
     # ---- caller side (event loop) ------------------------------------------------------
+
+    async def add_request(self, request_id: str, prompt, params: SamplingParams) -> RequestStream:
+        """Admit the request; raises its validation error (ValueError) here, before any output."""
+        if not self.is_running:
+            raise EngineDeadError("the engine loop is not running")
+        stream = RequestStream(self, request_id, asyncio.get_running_loop())
+        added = concurrent.futures.Future()
+        self._commands.put(("add", prompt, params, stream, added))
+        try:
+            await self._wait_for_engine(added)
+        except asyncio.CancelledError:
+            self.abort(request_id)  # queued after the add, so it reaches the request it names
+            raise
+        return stream
 
     async def generate(self, request_id: str, prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs (cumulative) until it finishes. Cancelling the consumer
         (a client that went away) aborts the request and frees its blocks at once."""
-        if not self.is_running:
-            raise EngineDeadError("the engine loop is not running")
-        loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
-        added = concurrent.futures.Future()
-        self._commands.put(("add", request_id, prompt, params, stream, added))
-        await asyncio.wrap_future(added)  # re-raises validation errors (ValueError) here
-        finished = False
+        stream = await self.add_request(request_id, prompt, params)
         try:
-            while True:
-                item = await stream.outputs.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
+            async for output in stream:
+                yield output
         finally:
-            if not finished:
-                self.abort(request_id)
+            stream.close()
+
+    async def _wait_for_engine(self, future: concurrent.futures.Future):
+        """Await a command's answer; if the loop dies without answering, raise EngineDeadError."""
+        waiting = asyncio.wrap_future(future)
+        while True:
+            done, _ = await asyncio.wait({waiting}, timeout=1.0)
+            if done:
+                return waiting.result()
+            if not self._thread.is_alive():
+                waiting.cancel()
+                raise EngineDeadError("the engine loop stopped before answering")
+
+    async def call_async(self, fn):
+        """``call`` awaited on the event loop."""
+        return await self._wait_for_engine(self.call(fn))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
-    def call(self, fn):
+    def call(self, fn) -> concurrent.futures.Future:
         """Run ``fn(engine)`` on the engine thread (for stats); returns a concurrent Future."""
         done = concurrent.futures.Future()
+        if not self._thread.is_alive():
+            done.set_exception(EngineDeadError("the engine loop is not running"))
+            return done
         self._commands.put(("call", fn, done))
         return done
 
@@ -111,9 +163,11 @@ class AsyncLLMEngine:
         except BaseException as error:  # a bug in the loop itself: fail everyone loudly
             logger.exception("engine loop died")
             self._fail_all(EngineDeadError(f"the engine loop died: {error!r}"))
+            self._fail_pending_calls(error)
             return
         self._fail_all(EngineDeadError("the engine is shutting down"))
         self._abort_all()
+        self._fail_pending_calls(EngineDeadError("the engine is shutting down"))
 
     def _handle_commands(self, block: bool) -> None:
         while True:
@@ -124,13 +178,13 @@ class AsyncLLMEngine:
             block = False
             kind = command[0]
             if kind == "add":
-                _, request_id, prompt, params, stream, added = command
+                _, prompt, params, stream, added = command
                 try:
-                    self.engine.add_request(request_id, prompt, params)
+                    self.engine.add_request(stream.request_id, prompt, params)
                 except Exception as error:
                     added.set_exception(error)
                     continue
-                self._streams[request_id] = stream
+                self._streams[stream.request_id] = stream
                 added.set_result(None)
             elif kind == "abort":
                 if self._streams.pop(command[1], None) is not None:
@@ -153,19 +207,47 @@ class AsyncLLMEngine:
             self._abort_all()
             self.engine.reset_after_failure()
             return
+        deliveries: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, output)
+            deliveries[stream.loop].append((stream, output))
+        for loop, items in deliveries.items():
+            _deliver_threadsafe(loop, items)
 
     def _fail_all(self, error: BaseException) -> None:
+        deliveries: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         for stream in self._streams.values():
-            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, error)
+            deliveries[stream.loop].append((stream, error))
+        for loop, items in deliveries.items():
+            _deliver_threadsafe(loop, items)
 
     def _abort_all(self) -> None:
         request_ids = list(self._streams)
         self._streams.clear()
         self.engine.abort_request(request_ids)
+
+    def _fail_pending_calls(self, error: BaseException) -> None:
+        """Answer the commands nobody will run any more, so no caller waits forever."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] in ("add", "call"):
+                command[-1].set_exception(EngineDeadError(f"the engine loop is not running: {error}"))
+
+
+def _deliver_threadsafe(loop: asyncio.AbstractEventLoop, items: list) -> None:
+    """Hand a step's outputs to one event loop with one wake-up (not one per request)."""
+    def deliver() -> None:
+        for stream, item in items:
+            stream.outputs.put_nowait(item)
+
+    try:
+        loop.call_soon_threadsafe(deliver)
+    except RuntimeError:  # that loop is closed: its consumers are gone
+        pass

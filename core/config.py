@@ -22,6 +22,8 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 
+_LOAD_FORMATS = ("auto", "dummy")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -94,6 +96,8 @@ class EngineArgs:
     tokenizer: str | None = field(default=None, metadata=_help("tokenizer folder (default: the model's)"))
     served_model_name: str | None = field(default=None, metadata=_help("model name reported to clients"))
     chat_template: str | None = field(default=None, metadata=_help("Jinja chat template file or string"))
+    load_format: str = field(default="auto", metadata=_help(
+        "auto: the checkpoint's weights; dummy: random weights, config.json alone suffices (benchmarks)"))
     device: str | None = field(default=None, metadata=_help("platform: cpu, cuda, rocm, xpu (default: detect)"))
     dtype: str = field(default="auto", metadata=_help("auto, float32, bfloat16, float16"))
     max_model_len: int | None = field(default=None, metadata=_help("context length (default: the model's)"))
@@ -150,7 +154,7 @@ class EngineArgs:
             tokenizer_path=files.tokenizer_path, architecture=architecture, hf_config=hf_config,
             dtype=dtype, max_model_len=max_model_len, eos_token_ids=files.eos_token_ids,
             served_model_name=self.served_model_name or files.display_name,
-            chat_template=chat_template or files.chat_template,
+            chat_template=chat_template or files.chat_template, load_format=self.load_format,
         )
         return EngineConfig(
             model=model_cfg,
@@ -176,6 +180,8 @@ class EngineArgs:
             raise ValueError(f"dtype must be auto or one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        if self.load_format not in _LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(_LOAD_FORMATS)}, got {self.load_format!r}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
 

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from engine_harness import assert_nothing_held, watch_engine
+from engine_harness import assert_nothing_held
 from helpers_models import make_tiny_qwen3
 from weir import LLM, SamplingParams
 
@@ -59,7 +59,6 @@ def test_qwen3_bf16_parity_and_graphs_match_eager(qwen3_path):
         llm = LLM(str(qwen3_path), dtype="bfloat16", enforce_eager=eager, max_num_batched_tokens=128,
                   gpu_memory_utilization=0.3, max_model_len=512)
         assert (llm.engine.runner.graphs is not None) == (not eager and llm.engine.runner.attn_backend.supports_cuda_graphs)
-        watch_engine(llm)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         results[eager] = [o.outputs[0].token_ids for o in outputs]
         assert_nothing_held(llm)

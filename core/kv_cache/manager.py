@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from weir.kv_cache.block_pool import BlockPool
-from weir.request import Request
+
+if TYPE_CHECKING:  # the request module imports the block pool's hashing
+    from weir.request import Request
 
 
 class KVCacheManager:
@@ -42,6 +46,11 @@ class KVCacheManager:
         """Give the request blocks for ``num_new_tokens`` more tokens (after any prefix-hit
         ``computed_blocks``). Returns the block ids appended to its table, or None when the
         pool cannot hold them (nothing changes then)."""
+        num_tokens_after_step = request.num_computed_tokens + num_new_tokens
+        if not computed_blocks and len(request.block_ids) * self.block_size >= num_tokens_after_step:
+            # Decode's common case: the last block has room; at most a newly full block to cache.
+            self._cache_full_blocks(request, num_tokens_after_step)
+            return []
         computed_blocks = computed_blocks or []
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_blocks_needed = self.blocks_for(num_computed + num_new_tokens)
@@ -59,8 +68,10 @@ class KVCacheManager:
     def _cache_full_blocks(self, request: Request, num_tokens_after_step: int) -> None:
         # Only blocks whose every token is known and computed by the end of this step; KV for
         # a block cached now is written by this step's forward before any later step reads it.
+        if not self.pool.enable_prefix_caching:
+            return
         num_full = min(num_tokens_after_step, request.num_tokens) // self.block_size
-        if num_full <= request.num_cached_blocks or not self.pool.enable_prefix_caching:
+        if num_full <= request.num_cached_blocks:
             return
         hashes = request.update_block_hashes(self.block_size)
         for index in range(request.num_cached_blocks, num_full):

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from weir.kernels.dispatch import triton_module, use_triton
 from weir.layers.linear import Linear, MergedLinear
 
 
@@ -27,10 +28,17 @@ class GatedMLP(nn.Module):
             raise ValueError(f"hidden_act={hidden_act!r} is not supported by GatedMLP; "
                              f"supported: {', '.join(_ACTIVATIONS)}")
         self.act_fn = _ACTIVATIONS[hidden_act]
+        # SiLU has a fused Triton kernel (activation and product in one pass) on CUDA.
+        self.fused_silu = self.act_fn is F.silu
         self.gate_up_proj = MergedLinear(
             hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))  # each [num_tokens, intermediate]
-        return self.down_proj(self.act_fn(gate) * up)  # [num_tokens, hidden]
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        if self.fused_silu and use_triton(gate_up) and gate_up.stride(-1) == 1:
+            activated = triton_module("triton_layers").silu_and_mul_triton(gate_up)
+        else:
+            gate, up = self.gate_up_proj.split(gate_up)  # each [num_tokens, intermediate]
+            activated = self.act_fn(gate) * up
+        return self.down_proj(activated)  # [num_tokens, hidden]

@@ -1,9 +1,26 @@
-"""RMSNorm with Hugging Face semantics, optionally fused with the residual add."""
+"""RMSNorm with Hugging Face semantics, optionally fused with the residual add.
+
+On CUDA one Triton kernel (``weir.kernels.triton_layers``) does the add and the norm; elsewhere,
+or with ``WEIR_DISABLE_TRITON=1``, the torch code below runs and stays the reference.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from weir.kernels.dispatch import triton_module, use_triton
+
+
+def _kernel_fits(x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    """Layouts the Triton kernel takes: unit-stride rows of a 2-D or 3-D ``x``; a residual with
+    x's 2-D shape and dtype and unit-stride rows (it is written in place)."""
+    if x.dim() not in (2, 3) or x.stride(-1) != 1 or x.numel() == 0:
+        return False
+    if residual is None:
+        return True
+    return (x.dim() == 2 and residual.shape == x.shape and residual.dtype == x.dtype
+            and residual.stride(-1) == 1)
 
 
 class RMSNorm(nn.Module):
@@ -30,8 +47,12 @@ class RMSNorm(nn.Module):
 
         The residual stream stays in the model dtype, added in the same order as transformers
         (``residual + x``), so a decoder written as ``h, residual = norm(h, residual)`` matches
-        the reference's pre-norm blocks exactly.
+        the reference's pre-norm blocks exactly. On the Triton path the sum is written into
+        ``residual`` in place (as vLLM does) and that tensor is returned: callers must not keep
+        the old residual for anything else.
         """
+        if use_triton(x) and _kernel_fits(x, residual):
+            return triton_module("triton_layers").rms_norm_triton(x, self.weight, self.eps, residual)
         if residual is None:
             return self._normalize(x)
         summed = residual + x  # [..., hidden]

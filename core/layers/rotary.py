@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from weir.kernels.dispatch import triton_module, use_triton
+
 # Types whose frequencies depend on the live sequence length in a way one cache cannot hold.
 _UNSUPPORTED_ROPE_TYPES = {"longrope"}
 
@@ -128,12 +130,21 @@ class RotaryEmbedding(nn.Module):
             return rotated
         return torch.cat((rotated, x[..., self.rotary_dim:]), dim=-1)
 
+    def _kernel_fits(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        # In place needs the result dtype to be q's: torch would promote to the cache's dtype.
+        return (q.dim() == 3 and k.dim() == 3 and q.stride(-1) == 1 and k.stride(-1) == 1
+                and q.dtype == k.dtype == self.cos_sin_cache.dtype and self.cos_sin_cache.stride(-1) == 1)
+
     def forward(
         self,
         positions: torch.Tensor,  # [num_tokens] int64
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated ``(q, k)``. On CUDA a Triton kernel rotates them in place (same rounding as
+        the torch code, which runs elsewhere and for layouts the kernel does not take)."""
+        if use_triton(q) and self._kernel_fits(q, k):
+            return triton_module("triton_layers").rotary_triton(positions, q, k, self.cos_sin_cache)
         cos_sin = self.cos_sin_cache[positions].unsqueeze(1)  # [num_tokens, 1, rotary_dim]
         cos, sin = cos_sin.chunk(2, dim=-1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -1,42 +1,93 @@
-"""Building one step's inputs on the device from the request table, in torch ops.
+"""Building one step's inputs on the device from the request table.
 
-These functions are the seams the GPU issue replaces with Triton kernels of the same
-signatures. None of them reads a device value on the host: every size they need is a host
-integer the scheduler already knows.
+Each op runs its Triton kernel (``weir.kernels.triton_input_prep``) on CUDA tensors and its
+``*_torch`` version elsewhere (``weir.kernels.dispatch``: ``WEIR_DISABLE_TRITON=1`` forces
+torch). The torch versions are the oracles the kernels are tested against. None of these ops
+reads a device value on the host: every size they need is a host integer the scheduler
+already knows (``num_tokens``, and tensor shapes).
+
+Padding (a batch padded to a CUDA-graph size) follows one convention in both versions: a
+padding request has ``idx_mapping[r] == -1`` (it reads and writes no table row, and gets
+``seq_lens == 0``, a zero block-table row and slot -1), and tokens past
+``query_start_loc[num_reqs]`` belong to no request (``input_ids`` and ``positions`` 0, slot -1).
+See ``weir.kernels.triton_input_prep`` for the details.
 """
 
 from __future__ import annotations
 
 import torch
 
+from weir.kernels.dispatch import triton_module, use_triton
+
+
+def _kernels():
+    return triton_module("triton_input_prep")
+
 
 def token_to_request(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Batch index of each token: token t belongs to request r when qsl[r] <= t < qsl[r+1]."""
-    token_idx = torch.arange(num_tokens, device=query_start_loc.device)
-    return torch.searchsorted(query_start_loc[1:], token_idx, right=True)  # [T]
+    """Batch index of each token: token t belongs to request r when qsl[r] <= t < qsl[r+1].
+
+    Tokens past the last request get ``num_reqs`` (``query_start_loc.shape[0] - 1``).
+    """
+    if use_triton(query_start_loc):
+        return _kernels().token_to_request_triton(query_start_loc, num_tokens)
+    return token_to_request_torch(query_start_loc, num_tokens)
+
+
+def token_to_request_torch(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    qsl = query_start_loc.long()
+    token_idx = torch.arange(num_tokens, device=qsl.device)
+    return torch.searchsorted(qsl[1:], token_idx, right=True)  # [T]
 
 
 def prepare_step_inputs(
     token_ids: torch.Tensor,  # [R, max_model_len] int32
     num_computed_tokens: torch.Tensor,  # [R] int32
-    idx_mapping: torch.Tensor,  # [B] int64: batch position -> table row
+    idx_mapping: torch.Tensor,  # [B] int64: batch position -> table row, -1 = padding
     query_start_loc: torch.Tensor,  # [B + 1] int32
     num_tokens: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns input_ids [T] int64, positions [T] int64, seq_lens [B] int32."""
-    qsl = query_start_loc.long()
-    req_of_token = token_to_request(qsl, num_tokens)  # [T]
-    row_of_token = idx_mapping[req_of_token]  # [T]
-    offset_in_req = torch.arange(num_tokens, device=qsl.device) - qsl[req_of_token]
-    positions = num_computed_tokens[row_of_token].long() + offset_in_req  # [T]
-    input_ids = token_ids[row_of_token, positions].long()  # [T]
+    if use_triton(token_ids):
+        return _kernels().prepare_step_inputs_triton(
+            token_ids, num_computed_tokens, idx_mapping, query_start_loc, num_tokens)
+    return prepare_step_inputs_torch(token_ids, num_computed_tokens, idx_mapping, query_start_loc, num_tokens)
+
+
+def _token_owners(query_start_loc: torch.Tensor, num_reqs: int, num_tokens: int):
+    """(request of each token clamped into the batch, token index, whether a request owns it)."""
+    qsl = query_start_loc[: num_reqs + 1].long()
+    token_idx = torch.arange(num_tokens, device=qsl.device)  # [T]
+    req_of_token = torch.searchsorted(qsl[1:], token_idx, right=True)  # [T]; num_reqs past the end
+    return req_of_token.clamp_max(num_reqs - 1), token_idx, req_of_token < num_reqs
+
+
+def prepare_step_inputs_torch(token_ids, num_computed_tokens, idx_mapping, query_start_loc, num_tokens):
+    num_reqs = idx_mapping.shape[0]
+    qsl = query_start_loc[: num_reqs + 1].long()
+    req_of_token, token_idx, owned = _token_owners(qsl, num_reqs, num_tokens)  # [T]
+    has_row = idx_mapping >= 0  # [B]
+    row_of_req = idx_mapping.clamp_min(0)  # [B]
+    row_of_token = row_of_req[req_of_token]  # [T]
+    token_valid = owned & has_row[req_of_token]  # [T]
+    offset_in_req = token_idx - qsl[req_of_token]
+    positions = torch.where(token_valid, num_computed_tokens[row_of_token].long() + offset_in_req, 0)  # [T]
+    input_ids = torch.where(token_valid, token_ids[row_of_token, positions].long(), 0)  # [T]
     query_lens = qsl[1:] - qsl[:-1]  # [B]
-    seq_lens = (num_computed_tokens[idx_mapping].long() + query_lens).int()  # [B]
+    seq_lens = torch.where(has_row, num_computed_tokens[row_of_req].long() + query_lens, 0).int()  # [B]
     return input_ids, positions, seq_lens
 
 
 def gather_block_tables(block_table: torch.Tensor, idx_mapping: torch.Tensor) -> torch.Tensor:
-    return block_table[idx_mapping]  # [B, max_blocks_per_req]
+    """Rows of the persistent block table in batch order [B, max_blocks]; padding rows are 0."""
+    if use_triton(block_table):
+        return _kernels().gather_block_tables_triton(block_table, idx_mapping)
+    return gather_block_tables_torch(block_table, idx_mapping)
+
+
+def gather_block_tables_torch(block_table: torch.Tensor, idx_mapping: torch.Tensor) -> torch.Tensor:
+    rows = block_table[idx_mapping.clamp_min(0)]  # [B, max_blocks_per_req]
+    return torch.where((idx_mapping >= 0).unsqueeze(1), rows, 0)
 
 
 def compute_slot_mapping(
@@ -45,10 +96,47 @@ def compute_slot_mapping(
     positions: torch.Tensor,  # [T]
     block_size: int,
 ) -> torch.Tensor:
-    """KV slot of every token: block_tables[req, pos // block_size] * block_size + pos % block_size."""
-    req_of_token = token_to_request(query_start_loc.long(), positions.shape[0])
+    """KV slot of every token: block_tables[req, pos // block_size] * block_size + pos % block_size.
+
+    Tokens past the last request get -1. A padding request's tokens land in its zero row, that
+    is in the reserved null block; ``gather_block_tables_and_slot_mapping`` gives them -1.
+    """
+    if use_triton(block_tables):
+        return _kernels().compute_slot_mapping_triton(block_tables, query_start_loc, positions, block_size)
+    return compute_slot_mapping_torch(block_tables, query_start_loc, positions, block_size)
+
+
+def compute_slot_mapping_torch(block_tables, query_start_loc, positions, block_size, has_row=None):
+    """``has_row`` [B] (optional): requests whose tokens get a slot; the others get -1."""
+    num_reqs = block_tables.shape[0]
+    req_of_token, _, token_valid = _token_owners(query_start_loc, num_reqs, positions.shape[0])
+    if has_row is not None:
+        token_valid = token_valid & has_row[req_of_token]
+    positions = torch.where(token_valid, positions.long(), 0)  # [T]
     block_ids = block_tables[req_of_token, positions // block_size].long()  # [T]
-    return block_ids * block_size + positions % block_size  # [T] int64
+    return torch.where(token_valid, block_ids * block_size + positions % block_size, -1)  # [T] int64
+
+
+def gather_block_tables_and_slot_mapping(
+    block_table: torch.Tensor,  # [R, max_blocks_per_req] persistent table
+    idx_mapping: torch.Tensor,  # [B]
+    query_start_loc: torch.Tensor,  # [B + 1]
+    positions: torch.Tensor,  # [T]
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both attention tables in one launch: block_tables [B, max_blocks], slot_mapping [T] int64."""
+    if use_triton(block_table):
+        return _kernels().gather_block_tables_and_slot_mapping_triton(
+            block_table, idx_mapping, query_start_loc, positions, block_size)
+    return gather_block_tables_and_slot_mapping_torch(block_table, idx_mapping, query_start_loc, positions,
+                                                      block_size)
+
+
+def gather_block_tables_and_slot_mapping_torch(block_table, idx_mapping, query_start_loc, positions, block_size):
+    block_tables = gather_block_tables_torch(block_table, idx_mapping)
+    slot_mapping = compute_slot_mapping_torch(block_tables, query_start_loc, positions, block_size,
+                                              has_row=idx_mapping >= 0)
+    return block_tables, slot_mapping
 
 
 def post_update(
@@ -56,25 +144,43 @@ def post_update(
     num_tokens: torch.Tensor,  # [R]
     num_computed_tokens: torch.Tensor,  # [R]
     output_token_counts: torch.Tensor | None,  # [R, V]
-    idx_mapping: torch.Tensor,  # [B]
+    idx_mapping: torch.Tensor,  # [B]; -1 = padding, left untouched
     query_lens: torch.Tensor,  # [B]
     sampled_token_ids: torch.Tensor,  # [B] int64
 ) -> None:
     """After sampling: advance progress, and append the sampled token where it is real.
 
     A sample is real when the row's chunk reached its last known token; for a partial
-    prefill chunk it is dropped here and on the host alike.
+    prefill chunk it is dropped here and on the host alike. Real rows must be distinct.
     """
-    computed = num_computed_tokens[idx_mapping] + query_lens.to(num_computed_tokens.dtype)  # [B]
-    num_computed_tokens[idx_mapping] = computed
-    known = num_tokens[idx_mapping]  # [B]
-    is_new_token = computed >= known
+    if use_triton(token_ids):
+        _kernels().post_update_triton(token_ids, num_tokens, num_computed_tokens, output_token_counts,
+                                      idx_mapping, query_lens, sampled_token_ids)
+    else:
+        post_update_torch(token_ids, num_tokens, num_computed_tokens, output_token_counts, idx_mapping,
+                          query_lens, sampled_token_ids)
+
+
+def post_update_torch(token_ids, num_tokens, num_computed_tokens, output_token_counts, idx_mapping,
+                      query_lens, sampled_token_ids) -> None:
+    # Padding entries alias row 0 after the clamp; every write below adds a delta (zero for
+    # padding) instead of assigning, so an alias never clobbers a real row's update.
+    has_row = idx_mapping >= 0  # [B]
+    rows = idx_mapping.clamp_min(0)  # [B]
+    query_lens = torch.where(has_row, query_lens.to(num_computed_tokens.dtype), 0)  # [B]
+    computed = num_computed_tokens[rows] + query_lens  # [B]
+    known = num_tokens[rows]  # [B]
+    is_new_token = has_row & (computed >= known)
     max_len = token_ids.shape[1]
-    write_pos = known.long().clamp_max(max_len - 1)
     # A token sampled at max_model_len is returned but never fed back, so it is not stored.
     writable = is_new_token & (known < max_len)
-    previous = token_ids[idx_mapping, write_pos]
-    token_ids[idx_mapping, write_pos] = torch.where(writable, sampled_token_ids.to(token_ids.dtype), previous)
-    num_tokens[idx_mapping] = known + is_new_token.to(known.dtype)
+    flat_pos = rows * max_len + known.long().clamp_max(max_len - 1)  # [B]
+    flat_tokens = token_ids.view(-1)
+    sampled = torch.where(is_new_token, sampled_token_ids, 0)  # [B]
+    token_delta = torch.where(writable, sampled.to(token_ids.dtype) - flat_tokens[flat_pos], 0)
+    flat_tokens.index_add_(0, flat_pos, token_delta)
+    num_computed_tokens.index_add_(0, rows, query_lens)
+    num_tokens.index_add_(0, rows, is_new_token.to(num_tokens.dtype))
     if output_token_counts is not None:
-        output_token_counts[idx_mapping, sampled_token_ids] += is_new_token.to(output_token_counts.dtype)
+        output_token_counts.index_put_((rows, sampled), is_new_token.to(output_token_counts.dtype),
+                                       accumulate=True)

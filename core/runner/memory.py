@@ -8,7 +8,9 @@ first real prefill would otherwise compile.
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 
 import numpy as np
 import torch
@@ -16,6 +18,8 @@ import torch
 from weir.attention import AttentionMetadata, ForwardContext
 from weir.sample.metadata import build_sampling_metadata
 from weir.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 def split_tokens(num_tokens: int, max_len: int, max_reqs: int) -> list[int]:
@@ -76,7 +80,28 @@ def profile_peak_bytes(runner) -> tuple[int, int]:
                                            vocab_size=logits.shape[1], device=runner.device)
         runner.sampler.sample(logits, metadata)
 
+    def warm_up_variants():
+        # Kernels specialise on shape classes (a prefill tile per query-length class, sampler
+        # filters): compile each now rather than inside the first requests that need it.
+        query_len = 2
+        while query_len <= min(256, scheduler.max_num_batched_tokens - 1):
+            dummy_forward(runner, [1, query_len], scratch)
+            query_len *= 2
+        kinds = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_p=0.9),
+                 SamplingParams(temperature=0.7, top_k=20), SamplingParams(temperature=0.7, min_p=0.1),
+                 SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1, logprobs=2)]
+        logits = torch.randn(len(kinds), runner.config.model.vocab_size, device=runner.device)
+        for params in (kinds, kinds[1:2], kinds[2:3]):
+            metadata = build_sampling_metadata(params, seeds=list(range(len(params))), positions=[1] * len(params),
+                                               vocab_size=logits.shape[1], device=runner.device,
+                                               output_token_ids=[[1]] * len(params),
+                                               prompt_token_ids=[[2]] * len(params))
+            runner.sampler.sample(logits[: len(params)], metadata)
+
+    start = time.perf_counter()
     step_peak = peak_of(largest_step)
+    warm_up_variants()
+    logger.info("profiling run and kernel warm-up: %.1f s", time.perf_counter() - start)
     decode_peak = peak_of(lambda: dummy_forward(runner, [1] * runner.max_graph_batch, scratch))
     del scratch
     torch.cuda.empty_cache()

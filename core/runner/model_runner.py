@@ -167,7 +167,7 @@ class ModelRunner:
             ))
             hidden = self.model(input_ids, positions, ForwardContext(self.attn_backend, metadata, self.kv_caches))
             logits = self.model.compute_logits(hidden[qsl[1:].long() - 1])  # [B, V]
-        logits = logits[:num_reqs].float()
+        logits = logits[:num_reqs]  # the model's dtype: the sampler upcasts only where it must
 
         real_rows = idx_mapping[:num_reqs]
         sampling_metadata = gather_sampling_metadata(table, rows, real_rows, seq_lens[:num_reqs], req_ids,

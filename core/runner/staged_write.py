@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from weir.kernels.dispatch import triton_module, use_triton
+
 
 def host_to_device(array: np.ndarray, device: torch.device, pin_memory: bool) -> torch.Tensor:
     """Copy a host array to the device without an implicit sync.
@@ -27,7 +29,18 @@ def host_to_device(array: np.ndarray, device: torch.device, pin_memory: bool) ->
 
 
 def scatter_flat(target: torch.Tensor, flat_index: torch.Tensor, values: torch.Tensor) -> None:
-    """``target.view(-1)[flat_index] = values``: the one op that applies staged writes."""
+    """``target.view(-1)[flat_index] = values``: the one op that applies staged writes.
+
+    A Triton kernel on CUDA tensors (``weir.kernels.dispatch``), torch elsewhere. Indices must
+    be distinct: which of two writes to one element wins is unspecified.
+    """
+    if use_triton(target):
+        triton_module("triton_input_prep").scatter_flat_triton(target, flat_index, values)
+    else:
+        scatter_flat_torch(target, flat_index, values)
+
+
+def scatter_flat_torch(target: torch.Tensor, flat_index: torch.Tensor, values: torch.Tensor) -> None:
     target.view(-1).index_copy_(0, flat_index, values.to(target.dtype))
 
 

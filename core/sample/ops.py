@@ -2,8 +2,10 @@
 and counter-based Gumbel noise.
 
 Each op takes ``[num_rows, vocab]`` fp32 logits plus per-row parameter tensors and returns new
-logits, so a fused Triton kernel with the same signature can replace it. None of them reads a
-device value on the host: a step never waits on the device here.
+logits. None of them reads a device value on the host: a step never waits on the device here.
+They are the reference of the Triton sampler (``weir.kernels.triton_sampler`` and
+``triton_sample_filters``), which draws the same noise from the constants below, and the path
+on every device Triton does not serve.
 """
 
 from __future__ import annotations
@@ -12,7 +14,16 @@ import torch
 
 _MASK32 = 0xFFFFFFFF
 # The largest fp32 below 1.0: keeps the uniform strictly inside (0, 1) after rounding.
-_LARGEST_BELOW_ONE = 1.0 - 2.0**-24
+LARGEST_BELOW_ONE = 1.0 - 2.0**-24
+# The noise hash's constants, shared with the Triton sampler (weir.kernels.triton_sampler),
+# which must draw the same numbers: murmur3's finaliser multipliers, then the salts and
+# multipliers that mix the seed's high half, the position and the token id into the key.
+FMIX_MULTIPLIER_1 = 0x85EBCA6B
+FMIX_MULTIPLIER_2 = 0xC2B2AE35
+SEED_HIGH_SALT = 0x6A09E667
+POSITION_MULTIPLIER = 0x9E3779B9
+TOKEN_MULTIPLIER = 0xBB67AE85
+TOKEN_SALT = 0x3C6EF372
 
 
 def apply_banned_tokens(logits: torch.Tensor, banned: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -97,9 +108,9 @@ def _mul32(value: torch.Tensor, constant: int) -> torch.Tensor:
 def _fmix32(value: torch.Tensor) -> torch.Tensor:
     """murmur3's 32-bit finaliser: a bijection on 32-bit lanes with full avalanche."""
     value = value ^ (value >> 16)
-    value = _mul32(value, 0x85EBCA6B)
+    value = _mul32(value, FMIX_MULTIPLIER_1)
     value = value ^ (value >> 13)
-    value = _mul32(value, 0xC2B2AE35)
+    value = _mul32(value, FMIX_MULTIPLIER_2)
     return value ^ (value >> 16)
 
 
@@ -111,15 +122,15 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
     """
     seed_low = seeds & _MASK32  # [num_rows]
     seed_high = (seeds >> 32) & _MASK32
-    row_key = _fmix32(seed_low ^ _fmix32(seed_high ^ 0x6A09E667))
-    row_key = _fmix32(row_key ^ _mul32(positions & _MASK32, 0x9E3779B9))  # [num_rows]
+    row_key = _fmix32(seed_low ^ _fmix32(seed_high ^ SEED_HIGH_SALT))
+    row_key = _fmix32(row_key ^ _mul32(positions & _MASK32, POSITION_MULTIPLIER))  # [num_rows]
     token_ids = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)  # [vocab]
-    token_key = _mul32(token_ids, 0xBB67AE85) ^ 0x3C6EF372  # [vocab]
+    token_key = _mul32(token_ids, TOKEN_MULTIPLIER) ^ TOKEN_SALT  # [vocab]
     lanes = _fmix32(_fmix32(row_key.unsqueeze(1) ^ token_key.unsqueeze(0)))  # [num_rows, vocab]
     mantissa = (lanes >> 8).to(torch.float32)  # 24 random bits, exact in fp32
     uniform = (mantissa + 0.5) * 2.0**-24
     # The top mantissa rounds to exactly 1.0 in fp32 (tie to even); log(1) would give inf noise.
-    return uniform.clamp_(max=_LARGEST_BELOW_ONE)
+    return uniform.clamp_(max=LARGEST_BELOW_ONE)
 
 
 def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -4,6 +4,8 @@ Order, as vLLM: logprobs of the raw logits (before any processing); banned token
 then greedy rows take the argmax and random rows go through temperature, min-p, top-k/top-p
 and Gumbel-max with noise keyed on (seed, position, token). Greedy and random rows are merged
 with ``torch.where``; only host flags decide which work runs, so nothing here waits on the device.
+On CUDA the token choice runs as Triton kernels (``WEIR_DISABLE_TRITON=1`` forces the torch ops,
+which stay the reference and the path on every other device).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from weir.kernels.dispatch import triton_module, use_triton
 from weir.sample import ops
 from weir.sample.metadata import SamplingMetadata
 
@@ -34,7 +37,12 @@ class Sampler:
         return self.sample(logits, metadata)
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """Sample one token per row of ``logits`` ([num_rows, vocab] fp32); ``logits`` is not modified."""
+        """Sample one token per row of ``logits`` ([num_rows, vocab], fp32 or the model's dtype);
+        ``logits`` is not modified."""
+        fused_path = (use_triton(logits) and metadata.no_penalties and metadata.banned_token_ids is None
+                      and metadata.max_num_logprobs is None)
+        if logits.dtype != torch.float32 and not (fused_path or metadata.all_greedy):
+            logits = logits.float()  # torch ops and logprobs work in fp32; the kernels upcast in registers
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(dim=-1)  # [num_rows, vocab]
@@ -62,10 +70,16 @@ class Sampler:
         return logits
 
     def choose_tokens(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Argmax for greedy rows, Gumbel-max over the filtered distribution for random rows."""
-        greedy_token_ids = None if metadata.all_random else logits.argmax(dim=-1)  # [num_rows]
+        """Argmax for greedy rows, Gumbel-max over the filtered distribution for random rows.
+
+        On CUDA the Triton kernels (``weir.kernels.triton_sampler``) do the random rows, and
+        the greedy rows of a mixed batch, without sorting or materialising the noise.
+        """
         if metadata.all_greedy:
-            return greedy_token_ids
+            return logits.argmax(dim=-1)  # [num_rows]
+        if use_triton(logits):
+            return triton_module("triton_sampler").choose_tokens_triton(logits, metadata)
+        greedy_token_ids = None if metadata.all_random else logits.argmax(dim=-1)  # [num_rows]
         logits = ops.apply_temperature(logits, metadata.temperature)
         if not metadata.no_min_p:
             logits = ops.apply_min_p(logits, metadata.min_p)

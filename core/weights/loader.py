@@ -4,6 +4,9 @@ Checkpoint names map onto parameter names one to one, except for fused projectio
 model declares in ``stacked_params`` (see ``weir.model_interface``). Every parameter (every shard
 of a fused one) must be written exactly once; anything missing, duplicated, unexpected or of the
 wrong shape is an error naming the checkpoint tensors concerned.
+
+With ``load_format="dummy"`` the checkpoint is not read at all: the materialised parameters are
+filled with random values in place on the device (``weir.weights.dummy``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 from torch import nn
 
 from weir.config import ModelConfig
+from weir.weights.dummy import fill_dummy_weights
 
 
 @dataclass
@@ -103,7 +107,8 @@ def load_model(
     device: torch.device,
     weights: Iterable[tuple[str, torch.Tensor]],
 ) -> nn.Module:
-    """Instantiate ``model_cls(model_config)`` on ``device`` in ``model_config.dtype`` and fill it.
+    """Instantiate ``model_cls(model_config)`` on ``device`` in ``model_config.dtype`` and fill it
+    from ``weights`` (ignored, and may be empty, when ``model_config.load_format == "dummy"``).
 
     Raises ValueError listing unexpected checkpoint tensors, or the checkpoint names of
     parameters the weights never provided.
@@ -120,6 +125,19 @@ def load_model(
     for name, target in mapper.targets.items():
         target.parameter = live[name]
 
+    if model_config.load_format == "dummy":
+        fill_dummy_weights(model)
+    else:
+        _write_checkpoint(model, model_cls, mapper, weights)
+    for module in model.modules():
+        materialize = getattr(module, "materialize_buffers", None)
+        if callable(materialize):
+            materialize(device)
+    return model.eval()
+
+
+def _write_checkpoint(model: nn.Module, model_cls: type, mapper: _CheckpointMapper,
+                      weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     unexpected: list[str] = []
     for checkpoint_name, tensor in weights:
         mapped = mapper.map(checkpoint_name)
@@ -140,9 +158,3 @@ def load_model(
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) {model_cls.__name__} needs: "
                          f"{', '.join(sorted(missing))}")
-
-    for module in model.modules():
-        materialize = getattr(module, "materialize_buffers", None)
-        if callable(materialize):
-            materialize(device)
-    return model.eval()

@@ -5,4 +5,7 @@ from weir.hookspecs import AttentionBackendSpec, hookimpl
 
 @hookimpl
 def weir_attention_backends() -> list[AttentionBackendSpec]:
-    return [AttentionBackendSpec("torch", "weir.plugins.attention.torch_ref:TorchAttentionBackend")]
+    return [
+        AttentionBackendSpec("torch", "weir.plugins.attention.torch_ref:TorchAttentionBackend"),
+        AttentionBackendSpec("triton", "weir.plugins.attention.triton_paged:TritonAttentionBackend"),
+    ]

@@ -13,17 +13,14 @@ from weir.attention import AttentionBackend, AttentionLayerSpec, AttentionMetada
 
 
 def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write this step's K/V into their slots.
+    """Write this step's K/V into their slots (``weir.kernels.kv_store``).
 
-    Slot -1 marks padding tokens; they are written to slot 0, which lies in the block pool's
-    reserved null block (never handed to a request), so no mask and no device sync is needed.
+    Slot -1 marks padding tokens: the Triton kernel (CUDA) skips them, the torch version writes
+    them to slot 0 in the block pool's reserved null block (never handed to a request).
     """
-    # kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    flat_cache = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_slots, Hkv, D]
-    slots = slot_mapping.clamp_min(0)
-    flat_cache[0].index_copy_(0, slots, k)
-    flat_cache[1].index_copy_(0, slots, v)
+    from weir.kernels.kv_store import store_kv as store_kv_dispatch
+
+    store_kv_dispatch(kv_cache, k, v, slot_mapping)
 
 
 class TorchAttentionBackend(AttentionBackend):

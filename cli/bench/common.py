@@ -1,0 +1,74 @@
+"""Helpers the ``weir bench`` commands share: engine start-up, warm-up, errors, JSON output."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, NoReturn
+
+import typer
+
+# Errors the engine raises for bad input or an unusable setup: shown as one line, not a traceback.
+ENGINE_ERRORS = (ValueError, RuntimeError, FileNotFoundError)
+
+# Prompt token ids are drawn from [0, PROMPT_TOKEN_ID_BOUND] inclusive, as the nano-vllm benchmark
+# does, so the workloads match it token for token; small vocabularies lower the bound.
+PROMPT_TOKEN_ID_BOUND = 10000
+
+
+def fail(message: str) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(1)
+
+
+def start_engine(model: str, engine_options: dict[str, Any]) -> tuple[Any, float]:
+    """``(LLM, start-up seconds)``: the time from nothing to an engine ready to take requests."""
+    from weir.llm import LLM
+
+    start = time.perf_counter()
+    llm = LLM(model, **engine_options)
+    return llm, time.perf_counter() - start
+
+
+def token_id_bound(llm: Any) -> int:
+    return min(PROMPT_TOKEN_ID_BOUND, llm.engine.model_config.vocab_size - 1)
+
+
+def warm_up(llm: Any) -> None:
+    """Two short requests, so first-call costs (allocator growth, kernel selection, lazy
+    compilation) stay out of the timed run."""
+    from weir.sampling_params import SamplingParams
+
+    prompts = [{"prompt_token_ids": list(range(1, 17))}, {"prompt_token_ids": list(range(17, 25))}]
+    llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+
+
+def check_fits(llm: Any, longest_prompt: int, longest_output: int) -> None:
+    max_model_len = llm.engine.config.scheduler.max_model_len
+    if longest_prompt + longest_output > max_model_len:
+        fail(f"prompts of up to {longest_prompt} tokens plus {longest_output} output tokens exceed "
+             f"max_model_len={max_model_len}; raise --max-model-len or shorten the lengths")
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    typer.echo(f"wrote {path}")
+
+
+def percentiles(values: list[float], points: tuple[int, ...]) -> dict[str, float]:
+    """``{"p10": ..., ...}`` by linear interpolation (numpy's default)."""
+    import numpy as np
+
+    if not values:
+        return {f"p{point}": float("nan") for point in points}
+    return {f"p{point}": float(value) for point, value in zip(points, np.percentile(values, points))}
+
+
+def human_bytes(num_bytes: float) -> str:
+    """``16.38 GB``, ``476.9 kB``: decimal units, as bandwidth figures are quoted."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(num_bytes) >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes:.0f} B"

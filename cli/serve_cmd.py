@@ -1,0 +1,99 @@
+"""``weir serve``: the OpenAI-compatible HTTP server (starlette + uvicorn) over one engine."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+
+import typer
+
+from weir.cli.engine_options import with_engine_options
+from weir.server.settings import (
+    DEFAULT_MAX_NUM_QUEUED_REQS,
+    DEFAULT_MAX_NUM_QUEUED_TOKENS,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_SHUTDOWN_GRACE_SECONDS,
+    ServerSettings,
+)
+
+logger = logging.getLogger("weir.serve")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind here, before uvicorn starts, so port 0 works and the logged URL names the real port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {error.strerror or error}") from error
+    return sock
+
+
+def _log_start(engine, sock: socket.socket, host: str) -> str:
+    inner = engine.engine
+    port = sock.getsockname()[1]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    config = inner.config
+    logger.info("model %s (%s, %s) served as %r, max_model_len %d", config.model.model,
+                config.model.architecture, str(config.model.dtype).removeprefix("torch."),
+                config.model.served_model_name, config.scheduler.max_model_len)
+    logger.info("platform %s, attention backend %s, KV cache %d tokens (%d blocks of %d), max_num_seqs %d",
+                inner.platform.name, inner.runner.attn_backend.name, inner.scheduler.kv_cache.capacity_tokens,
+                inner.scheduler.kv_cache.pool.num_usable_blocks, config.cache.block_size,
+                config.scheduler.max_num_seqs)
+    logger.info("Weir is serving the OpenAI API at %s/v1 (metrics at %s/metrics)", url, url)
+    return url
+
+
+@with_engine_options
+def serve(
+    model: str | None = typer.Argument(None, metavar="MODEL",
+                                       help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct)"),
+    host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0: every interface)"),
+    port: int = typer.Option(8000, help="port to listen on (0: any free port)"),
+    api_key: str | None = typer.Option(None, envvar="WEIR_API_KEY",
+                                       help="require 'Authorization: Bearer KEY' on /v1 (env WEIR_API_KEY)"),
+    max_num_queued_reqs: int = typer.Option(DEFAULT_MAX_NUM_QUEUED_REQS,
+                                            help="requests in flight at most; past it: 503"),
+    max_num_queued_tokens: int = typer.Option(DEFAULT_MAX_NUM_QUEUED_TOKENS,
+                                              help="prompt tokens waiting for prefill at most; past it: 503"),
+    max_request_body_bytes: int = typer.Option(DEFAULT_MAX_REQUEST_BODY_BYTES,
+                                               help="larger request bodies get 413"),
+    shutdown_grace_seconds: float = typer.Option(DEFAULT_SHUTDOWN_GRACE_SECONDS,
+                                                 help="on SIGINT/SIGTERM, how long in-flight requests may "
+                                                      "run on before they are aborted"),
+    uvicorn_log_level: str = typer.Option("info", help="uvicorn's log level (critical ... trace)"),
+    engine_options: dict | None = None,
+) -> None:
+    """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)."""
+    import uvicorn
+
+    from weir.async_engine import AsyncLLMEngine
+    from weir.server.app import build_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = ServerSettings(host=host, port=port, api_key=api_key or None,
+                                  max_num_queued_reqs=max_num_queued_reqs,
+                                  max_num_queued_tokens=max_num_queued_tokens,
+                                  max_request_body_bytes=max_request_body_bytes,
+                                  shutdown_grace_seconds=shutdown_grace_seconds,
+                                  uvicorn_log_level=uvicorn_log_level)
+        sock = _bind(host, port)
+        engine = AsyncLLMEngine.from_options(model, **(engine_options or {}))
+    except (ValueError, RuntimeError, FileNotFoundError) as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(1) from None
+    _log_start(engine, sock, host)
+    config = uvicorn.Config(build_app(engine, settings), log_level=uvicorn_log_level, lifespan="on",
+                            timeout_graceful_shutdown=shutdown_grace_seconds)
+    # uvicorn re-raises the SIGINT/SIGTERM it shut down for once it is done, into the handlers
+    # that were installed before it: make those no-ops, so a graceful shutdown exits with 0.
+    for handled in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(handled, lambda signum, frame: None)
+    uvicorn.Server(config).run(sockets=[sock])
+    logger.info("server stopped")

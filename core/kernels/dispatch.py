@@ -1,0 +1,74 @@
+"""Whether an op runs its Triton kernel or its torch version.
+
+Triton serves CUDA tensors (ROCm reports the same device type) when it imports; setting
+``WEIR_DISABLE_TRITON=1`` forces the torch versions everywhere, to bisect a wrong answer or
+compare speed. The check is per call (an environment lookup), so tests can flip it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+from types import ModuleType
+
+import torch
+
+DISABLE_ENV = "WEIR_DISABLE_TRITON"
+
+
+@functools.cache
+def triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """True when ``tensor``'s op should launch its Triton kernel."""
+    if not tensor.is_cuda:  # cheaper than tensor.device.type: this runs for every layer op
+        return False
+    if os.environ.get(DISABLE_ENV, "") == "1":
+        return False
+    return triton_importable()
+
+
+@functools.cache
+def triton_module(name: str) -> ModuleType:
+    """A ``weir.kernels.triton_*`` module, imported on first use (never at Weir's import)."""
+    return importlib.import_module(f"weir.kernels.{name}")
+
+
+@functools.cache
+def interpreted_module(name: str) -> ModuleType:
+    """A private copy of ``weir.kernels.<name>`` whose kernels run in Triton's interpreter.
+
+    For tests and debugging on the CPU (CPU tensors work). Triton picks interpreter or compiler
+    when a kernel is decorated, so the copy is executed with ``TRITON_INTERPRET=1`` set just for
+    its import; the regular module, compiled or not, is left as it is. Limit: the copy's kernels
+    may call its own ``@triton.jit`` helpers and ``tl`` builtins, but not the ``@triton.jit``
+    functions of ``triton.language.standard`` (``tl.zeros``, ``tl.cdiv``, ``tl.max``...), which
+    stay compiled; a module that needs them is interpreted in a subprocess instead.
+    """
+    spec = importlib.util.find_spec(f"weir.kernels.{name}")
+    if spec is None or spec.origin is None:
+        raise ValueError(f"no kernel module weir.kernels.{name}")
+    copy_spec = importlib.util.spec_from_file_location(f"weir.kernels._interpreted_{name}", spec.origin)
+    module = importlib.util.module_from_spec(copy_spec)
+    # Triton itself must be imported in its normal mode first: its own lazily imported parts
+    # check, at their import, that the standard library matches the mode of the moment.
+    importlib.import_module("triton.language")
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        copy_spec.loader.exec_module(module)
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+    return module

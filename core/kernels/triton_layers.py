@@ -1,0 +1,167 @@
+"""Triton kernels for the small per-token layer ops: RMSNorm (+ fused residual add), SiLU-and-mul
+and rotary embedding (rotate_half, partial rotary_dim, in place).
+
+The torch versions in ``weir.layers`` (``RMSNorm``, ``GatedMLP``, ``RotaryEmbedding``) are the
+oracles. Every kernel rounds where torch rounds: the residual sum and the normalised value are
+rounded to the model dtype before the weight multiplies, SiLU is rounded before the gate
+product, and each RoPE product is rounded before the difference (fp32 math in between, FMA
+contraction off for RoPE), so bf16 results agree with torch up to the last bit of ``rsqrt`` or
+``exp``. Grids come from tensor shapes only: every launch is CUDA-graph safe and sync-free.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_inner"])
+def _rms_norm_kernel(
+    x_ptr, x_stride_outer, x_stride_inner,  # rows of x are (outer, inner) pairs; [..., hidden]
+    residual_ptr, residual_stride,  # [num_rows, hidden], updated in place when HAS_RESIDUAL
+    weight_ptr,  # [hidden]
+    out_ptr,  # [num_rows, hidden], contiguous
+    num_rows, num_inner, hidden, eps,
+    HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    cols = tl.arange(0, BLOCK)  # [BLOCK]
+    mask = (rows < num_rows)[:, None] & (cols < hidden)[None, :]  # [ROWS, BLOCK]
+    x_offsets = (rows // num_inner) * x_stride_outer + (rows % num_inner) * x_stride_inner
+    x = tl.load(x_ptr + x_offsets[:, None] + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual_offsets = rows[:, None] * residual_stride + cols[None, :]
+        residual = tl.load(residual_ptr + residual_offsets, mask=mask, other=0.0)
+        x = (residual.to(tl.float32) + x.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(residual_ptr + residual_offsets, x, mask=mask)
+    x_fp32 = x.to(tl.float32)
+    variance = tl.math.div_rn(tl.sum(x_fp32 * x_fp32, axis=1), hidden.to(tl.float32))  # [ROWS]
+    normed = (x_fp32 * tl.math.rsqrt(variance + eps)[:, None]).to(x_ptr.dtype.element_ty)
+    weight = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+    out = weight[None, :] * normed.to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * hidden + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_triton(
+    x: torch.Tensor,  # [num_tokens, hidden] or [num_tokens, num_heads, head_dim]; last stride 1
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [num_tokens, hidden], contiguous rows, x's dtype
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``RMSNorm.forward``; with ``residual``, ``residual`` becomes ``residual + x`` in place."""
+    hidden = x.shape[-1]
+    num_inner = x.shape[1] if x.dim() == 3 else 1
+    num_rows = x.numel() // hidden
+    stride_outer = x.stride(0)
+    stride_inner = x.stride(1) if x.dim() == 3 else 0
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    block = triton.next_power_of_2(hidden)
+    rows_per_program = max(1, min(64, 4096 // block))
+    tile = rows_per_program * block
+    _rms_norm_kernel[(triton.cdiv(num_rows, rows_per_program),)](
+        x, stride_outer, stride_inner,
+        residual if residual is not None else x, residual.stride(0) if residual is not None else 0,
+        weight, out, num_rows, num_inner, hidden, eps,
+        HAS_RESIDUAL=residual is not None, ROWS=rows_per_program, BLOCK=block,
+        num_warps=4 if tile <= 2048 else 8 if tile <= 8192 else 16,
+    )
+    return out if residual is None else (out, residual)
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    gate_up_ptr, gate_up_stride,  # [num_tokens, 2 * intermediate]: gate, then up
+    out_ptr,  # [num_tokens, intermediate], contiguous
+    intermediate,
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    mask = cols < intermediate
+    row_ptr = gate_up_ptr + token * gate_up_stride
+    gate = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(row_ptr + intermediate + cols, mask=mask, other=0.0).to(tl.float32)
+    # F.silu computes x / (1 + exp(-x)) in fp32 and rounds to the tensor's dtype.
+    activated = tl.math.div_rn(gate, 1.0 + tl.exp(-gate)).to(out_ptr.dtype.element_ty)
+    out = activated.to(tl.float32) * up
+    tl.store(out_ptr + token * intermediate + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up`` ``[..., 2 * intermediate]`` (last stride 1)."""
+    intermediate = gate_up.shape[-1] // 2
+    rows = gate_up.reshape(-1, gate_up.shape[-1])  # a view for the linear layer's output
+    out = torch.empty(*gate_up.shape[:-1], intermediate, dtype=gate_up.dtype, device=gate_up.device)
+    if rows.shape[0] == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(intermediate))
+    _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(intermediate, block))](
+        rows, rows.stride(0), out, intermediate, BLOCK=block, num_warps=4)
+    return out
+
+
+@triton.jit
+def _rotate_heads(
+    head_ptr, stride_head, num_heads, half, cos, sin,  # cos, sin: [BLOCK_HALF] fp32
+    BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    """Rotate dims [0, 2 * half) of ``num_heads`` heads of one token in place."""
+    cols = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]
+    dtype = head_ptr.dtype.element_ty
+    for head_start in range(0, num_heads, BLOCK_HEADS):
+        heads = head_start + tl.arange(0, BLOCK_HEADS)[:, None]  # [BLOCK_HEADS, 1]
+        mask = (heads < num_heads) & (cols < half)
+        first_ptr = head_ptr + heads * stride_head + cols
+        x1 = tl.load(first_ptr, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(first_ptr + half, mask=mask, other=0.0).to(tl.float32)
+        # Each product rounds to the dtype before the sum, as torch's x1 * cos - x2 * sin does.
+        x1_cos = (x1 * cos).to(dtype).to(tl.float32)
+        x2_sin = (x2 * sin).to(dtype).to(tl.float32)
+        x2_cos = (x2 * cos).to(dtype).to(tl.float32)
+        x1_sin = (x1 * sin).to(dtype).to(tl.float32)
+        tl.store(first_ptr, (x1_cos - x2_sin).to(dtype), mask=mask)
+        tl.store(first_ptr + half, (x2_cos + x1_sin).to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    positions_ptr,  # [num_tokens]
+    q_ptr, q_stride_token, q_stride_head,  # [num_tokens, num_q_heads, head_dim]
+    k_ptr, k_stride_token, k_stride_head,  # [num_tokens, num_kv_heads, head_dim]
+    cache_ptr, cache_stride,  # [max_positions, rotary_dim]: cos halves, then sin halves
+    num_q_heads, num_kv_heads, half,
+    BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    cols = tl.arange(0, BLOCK_HALF)
+    cos_ptr = cache_ptr + position * cache_stride + cols
+    cos = tl.load(cos_ptr, mask=cols < half, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cos_ptr + half, mask=cols < half, other=0.0).to(tl.float32)[None, :]
+    _rotate_heads(q_ptr + token * q_stride_token, q_stride_head, num_q_heads, half, cos, sin,
+                  BLOCK_HEADS, BLOCK_HALF)
+    _rotate_heads(k_ptr + token * k_stride_token, k_stride_head, num_kv_heads, half, cos, sin,
+                  BLOCK_HEADS, BLOCK_HALF)
+
+
+def rotary_triton(
+    positions: torch.Tensor,  # [num_tokens]
+    q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], last stride 1
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], last stride 1
+    cos_sin_cache: torch.Tensor,  # [max_positions, rotary_dim], q's dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``RotaryEmbedding.forward`` in place on ``q`` and ``k``; returns them."""
+    num_tokens = positions.shape[0]
+    if num_tokens == 0:
+        return q, k
+    half = cos_sin_cache.shape[-1] // 2
+    block_half = triton.next_power_of_2(half)
+    block_heads = min(triton.next_power_of_2(max(q.shape[1], k.shape[1])), max(1, 2048 // block_half))
+    _rotary_kernel[(num_tokens,)](
+        positions, q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1),
+        cos_sin_cache, cos_sin_cache.stride(0), q.shape[1], k.shape[1], half,
+        BLOCK_HEADS=block_heads, BLOCK_HALF=block_half,
+        num_warps=4, enable_fp_fusion=False,
+    )
+    return q, k

@@ -1,0 +1,169 @@
+"""Paged attention in Triton: the default full-attention backend on CUDA (and ROCm) devices.
+
+Each forward stores this step's K/V (``weir.kernels.kv_store``: padding slots skipped), then:
+- a pure decode batch (``max_query_len == 1``) runs the decode kernel, split over the key
+  length when the batch alone would leave most SMs idle, plus a reduce kernel for the splits;
+- any other batch runs the decode kernel (splits off) for its query_len-1 requests and the varlen
+  prefill kernel for the rest, which attends over cached prefix blocks and this step's tokens.
+Grids come from host ints only, so no step syncs, and a decode launch with a fixed padded
+``num_reqs`` can be captured in a CUDA graph (lengths are read from the metadata tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from weir.attention import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+from weir.kernels.kv_store import store_kv
+from weir.plugins.attention.triton_paged_decode import decode_kernel, decode_reduce_kernel
+from weir.plugins.attention.triton_paged_kernels import LOG2_E, prefill_kernel
+
+# A split below this many keys costs more in partial writes and merging than it saves.
+MIN_KEYS_PER_SPLIT = 256
+MAX_SPLITS = 64
+SPLIT_TARGET_WAVES = 2  # aim for this many programs per SM before splitting stops paying
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile sizes and launch shape of one kernel (block_m: query rows = tokens x group heads)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_prefill_tiles(head_dim: int, max_query_len: int, group_p: int, dtype: torch.dtype) -> TileConfig:
+    if dtype == torch.float32:  # exact fp32 dots (tests, CPU-style runs) need small tiles to avoid spills
+        config = TileConfig(32, 32, 4, 2)
+    elif head_dim <= 64:
+        config = TileConfig(128, 64, 4, 3)
+    elif head_dim <= 128:
+        config = TileConfig(128, 64, 8, 3)
+    else:  # 256: a 128-row fp32 accumulator would not fit in registers
+        config = TileConfig(64, 32, 8, 2)
+    # Short queries (chunked prefill, a few tokens per request) waste less with smaller tiles.
+    rows_needed = max(16, triton.next_power_of_2(max_query_len * group_p))
+    block_m = max(group_p, min(config.block_m, rows_needed))
+    num_warps = 4 if block_m <= 64 and head_dim <= 128 else config.num_warps
+    return TileConfig(block_m, config.block_n, num_warps, config.num_stages)
+
+
+def default_decode_tiles(head_dim: int) -> TileConfig:
+    return TileConfig(16, 32 if head_dim > 128 else 64, 4, 3)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention over the ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` cache."""
+
+    name = "triton"
+    supported_devices = frozenset({"cuda"})
+    supports_cuda_graphs = True
+
+    def __init__(self, block_size: int, dtype: torch.dtype, device: torch.device):
+        super().__init__(block_size, dtype, device)
+        device = torch.device(device)
+        self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                        if device.type == "cuda" else 8)
+        # Overrides for tests and the benchmark's tile sweep; None = the heuristics above.
+        self.prefill_tiles: TileConfig | None = None
+        self.decode_tiles: TileConfig | None = None
+        self.forced_num_splits: int | None = None
+
+    def kv_cache_shape(self, num_blocks: int, layer: AttentionLayerSpec) -> tuple[int, ...]:
+        check_head_dim(layer.head_dim)
+        return super().kv_cache_shape(num_blocks, layer)
+
+    def num_kv_splits(self, num_reqs: int, num_kv_heads: int, max_seq_len: int) -> int:
+        """How many programs share one (request, kv head) of a decode batch; host ints only."""
+        if self.forced_num_splits is not None:
+            return self.forced_num_splits
+        programs = num_reqs * num_kv_heads
+        wanted = triton.cdiv(SPLIT_TARGET_WAVES * self.num_sms, programs)
+        return max(1, min(wanted, triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT), MAX_SPLITS))
+
+    def forward(
+        self,
+        layer: AttentionLayerSpec,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        check_head_dim(layer.head_dim)
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        num_tokens, num_reqs = metadata.num_tokens, metadata.num_reqs
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if q.shape[0] > num_tokens:  # padded rows (CUDA graphs): keep them finite for later ops
+            out[num_tokens:].zero_()
+        if num_tokens == 0 or num_reqs == 0:
+            return out
+        store_kv(kv_cache, k[:num_tokens], v[:num_tokens], metadata.slot_mapping[:num_tokens])
+        group = layer.num_heads // layer.num_kv_heads
+        group_p = max(16, triton.next_power_of_2(group))
+        qk_scale = layer.scale * LOG2_E
+        # fp32 stays exact (no tf32); None = the target's default for 16-bit inputs.
+        precision = "ieee" if q.dtype == torch.float32 else None
+        cache_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
+
+        num_splits = 1
+        if metadata.max_query_len == 1:
+            num_splits = self.num_kv_splits(num_reqs, layer.num_kv_heads, metadata.max_seq_len)
+        tiles = self.decode_tiles or default_decode_tiles(layer.head_dim)
+        if num_splits > 1:
+            # Contiguous, so the lse buffer's offsets are the output buffer's divided by head_dim.
+            partial_out = torch.empty((num_reqs, layer.num_heads, num_splits, layer.head_dim),
+                                      dtype=torch.float32, device=q.device)
+            partial_lse = torch.empty((num_reqs, layer.num_heads, num_splits), dtype=torch.float32,
+                                      device=q.device)
+        else:
+            partial_out = partial_lse = out  # unused: SPLIT is off
+        partial_strides = (partial_out.stride(0), partial_out.stride(1), partial_out.stride(2))
+        decode_kernel[(num_reqs, layer.num_kv_heads, num_splits)](
+            q, kv_cache, out, partial_out, partial_lse,
+            metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+            num_splits, qk_scale,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), metadata.block_tables.stride(0),
+            *cache_strides, *partial_strides,
+            GROUP=group, GROUP_P=group_p, HEAD_DIM=layer.head_dim, BLOCK_N=tiles.block_n,
+            BLOCK_SIZE=kv_cache.shape[2], SPLIT=num_splits > 1, PRECISION=precision,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )
+        if num_splits > 1:
+            decode_reduce_kernel[(num_reqs, layer.num_heads)](
+                out, partial_out, partial_lse, metadata.query_start_loc,
+                num_splits, out.stride(0), out.stride(1), *partial_strides,
+                HEAD_DIM=layer.head_dim, NUM_SPLITS_P=triton.next_power_of_2(num_splits), num_warps=4,
+            )
+        if metadata.max_query_len > 1:
+            self._prefill(layer, q, kv_cache, out, metadata, group, qk_scale, precision, cache_strides)
+        return out
+
+    def _prefill(self, layer, q, kv_cache, out, metadata, group, qk_scale, precision, cache_strides):
+        """The varlen kernel for every request with query_len >= 2."""
+        group_p = triton.next_power_of_2(group)
+        tiles = self.prefill_tiles or default_prefill_tiles(layer.head_dim, metadata.max_query_len, group_p,
+                                                                 q.dtype)
+        block_q = max(1, tiles.block_m // group_p)
+        # Upper bound on query tiles (see find_request), known on the host without a sync.
+        num_tiles = metadata.num_tokens // block_q + metadata.num_reqs
+        prefill_kernel[(num_tiles, layer.num_kv_heads)](
+            q, kv_cache, out, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+            metadata.num_reqs, qk_scale,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), metadata.block_tables.stride(0),
+            *cache_strides,
+            GROUP=group, GROUP_P=group_p, HEAD_DIM=layer.head_dim, BLOCK_Q=block_q,
+            BLOCK_N=tiles.block_n, BLOCK_SIZE=kv_cache.shape[2], PRECISION=precision,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(f"the triton attention backend needs head_dim a power of two in 16..256, got "
+                         f"{head_dim}; choose another backend (--attention-backend torch)")

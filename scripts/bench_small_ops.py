@@ -1,0 +1,148 @@
+"""Microseconds per call of the sampler and the small layer ops: torch vs Triton, on CUDA.
+
+    python scripts/bench_small_ops.py [--iters 50]
+
+The torch column runs with WEIR_DISABLE_TRITON=1 (the reference ops), the Triton column
+without it; both go through the same public entry points (Sampler, RMSNorm, GatedMLP's
+activation, RotaryEmbedding). Times are CUDA-event medians after a warm-up that compiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+
+from weir.layers import RMSNorm, RotaryEmbedding
+from weir.sample import Sampler, build_sampling_metadata
+from weir.sampling_params import SamplingParams
+
+
+@contextmanager
+def triton_disabled(disabled: bool):
+    previous = os.environ.get("WEIR_DISABLE_TRITON")
+    os.environ["WEIR_DISABLE_TRITON"] = "1" if disabled else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["WEIR_DISABLE_TRITON"]
+        else:
+            os.environ["WEIR_DISABLE_TRITON"] = previous
+
+
+def time_us(fn: Callable[[], object], iters: int) -> float:
+    for _ in range(3):  # compiles Triton kernels and fills the allocator's cache
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1000.0)
+    return statistics.median(samples)
+
+
+def compare(name: str, fn: Callable[[], object], iters: int) -> None:
+    with triton_disabled(True):
+        torch_us = time_us(fn, iters)
+    with triton_disabled(False):
+        triton_us = time_us(fn, iters)
+    print(f"{name:<56} {torch_us:>11.1f} {triton_us:>11.1f} {torch_us / triton_us:>8.1f}x", flush=True)
+
+
+def sampler_cases(iters: int) -> None:
+    num_rows, vocab = 256, 151936
+    logits = torch.randn(num_rows, vocab, device="cuda") * 4
+    seeds, positions = list(range(num_rows)), [1000 + row for row in range(num_rows)]
+    sampler = Sampler()
+    for label, params in [
+        ("temperature 0.6", SamplingParams(temperature=0.6)),
+        ("greedy (torch argmax on both paths)", SamplingParams(temperature=0)),
+        ("top-p 0.9", SamplingParams(temperature=0.6, top_p=0.9)),
+        ("top-k 50", SamplingParams(temperature=0.6, top_k=50)),
+    ]:
+        metadata = build_sampling_metadata([params] * num_rows, seeds, positions, vocab, device="cuda")
+        compare(f"sampler B={num_rows} V={vocab} {label}", lambda: sampler(logits, metadata), iters)
+    # Language-model-like rows: a few likely tokens over a long tail (most noise is skipped).
+    peaked = logits.clone()
+    peaked[:, :8] += 30.0
+    metadata = build_sampling_metadata([SamplingParams(temperature=0.6, top_p=0.9)] * num_rows, seeds, positions,
+                                       vocab, device="cuda")
+    compare(f"sampler B={num_rows} V={vocab} top-p 0.9, peaked rows", lambda: sampler(peaked, metadata), iters)
+    search_sweep(logits, seeds, positions, iters)
+
+
+def search_sweep(logits: torch.Tensor, seeds: list[int], positions: list[int], iters: int) -> None:
+    """The filter-threshold kernel alone under other (block, slots, warps): picks the defaults."""
+    from weir.kernels import triton_sample_filters as filters
+
+    num_rows, vocab = logits.shape
+    print(f"filter thresholds alone, B={num_rows} V={vocab} (defaults: block {filters.SEARCH_BLOCK}, "
+          f"slots {filters.SEARCH_SLOTS}, warps {filters.SEARCH_WARPS})")
+    for label, params in [("top-p 0.9", SamplingParams(temperature=0.6, top_p=0.9)),
+                          ("top-k 50", SamplingParams(temperature=0.6, top_k=50))]:
+        metadata = build_sampling_metadata([params] * num_rows, seeds, positions, vocab, device="cuda")
+        for block, slots, warps in [(512, 8, 8), (256, 8, 4), (1024, 8, 8), (512, 16, 8), (256, 16, 4), (512, 4, 8)]:
+            micros = time_us(lambda: filters.filter_thresholds_triton(logits, metadata, block, slots, warps), iters)
+            print(f"  {label:<10} block {block:>4} slots {slots:>2} warps {warps:>2}: {micros:>9.1f} us", flush=True)
+
+
+def layer_cases(iters: int) -> None:
+    dtype = torch.bfloat16
+    for num_tokens, hidden in ((8192, 1024), (256, 4096)):
+        norm = RMSNorm(hidden).to(device="cuda", dtype=dtype)
+        torch.nn.init.ones_(norm.weight)
+        x = torch.randn(num_tokens, hidden, device="cuda", dtype=dtype)
+        residual = torch.randn(num_tokens, hidden, device="cuda", dtype=dtype) * 0.01
+        compare(f"RMSNorm+residual [{num_tokens}, {hidden}] bf16", lambda: norm(x, residual), iters)
+
+    intermediate = 3072
+    gate_up = torch.randn(8192, 2 * intermediate, device="cuda", dtype=dtype)
+
+    def silu_and_mul():
+        if os.environ.get("WEIR_DISABLE_TRITON") == "1":
+            return F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+        from weir.kernels.triton_layers import silu_and_mul_triton
+
+        return silu_and_mul_triton(gate_up)
+
+    compare(f"SiLU-and-mul [8192, 2*{intermediate}] bf16", silu_and_mul, iters)
+
+    num_tokens, num_heads, num_kv_heads, head_dim = 8192, 16, 8, 128
+    config = LlamaConfig(hidden_size=num_heads * head_dim, num_attention_heads=num_heads,
+                         num_key_value_heads=num_kv_heads, head_dim=head_dim, max_position_embeddings=32768)
+    rope = RotaryEmbedding(config, head_dim, 32768)
+    rope.cos_sin_cache = rope.cos_sin_cache.to(dtype)
+    rope.materialize_buffers(torch.device("cuda"))
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device="cuda", dtype=dtype)
+    q = qkv[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    positions = torch.randint(0, 32768, (num_tokens,), device="cuda")
+    compare(f"RoPE [{num_tokens}, {num_heads}+{num_kv_heads} heads, {head_dim}] bf16",
+            lambda: rope(positions, q, k), iters)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_small_ops needs a CUDA device")
+    print(f"{'op':<56} {'torch us':>11} {'triton us':>11} {'speedup':>9}")
+    with torch.no_grad():
+        sampler_cases(args.iters)
+        layer_cases(args.iters)
+
+
+if __name__ == "__main__":
+    main()

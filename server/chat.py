@@ -1,0 +1,105 @@
+"""``POST /v1/chat/completions``, streamed or not."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from weir.outputs import CompletionOutput, RequestOutput
+from weir.server.body import parse, read_json
+from weir.server.errors import from_value_error
+from weir.server.generation import Generation
+from weir.server.logprobs import TokenBytes, chat_logprobs
+from weir.server.protocol import ChatCompletionRequest
+from weir.server.shapes import ResponseHeader, engine_error, finish_reason, usage
+from weir.server.state import ServerState, new_request_id
+from weir.server.streaming import (DONE_EVENT, ClientDisconnected, EventStreamResponse, run_until_disconnect,
+                                  sse_event)
+
+
+async def create_chat_completion(request: Request, state: ServerState) -> Response:
+    chat = parse(ChatCompletionRequest, await read_json(request, state.settings.max_request_body_bytes))
+    state.check_model(chat.model)
+    chat.check_supported()
+    try:
+        params = chat.to_sampling_params()
+    except ValueError as error:
+        raise from_value_error(error, renamed={"logprobs": "top_logprobs"}) from error
+    messages = [message.as_template_message(index) for index, message in enumerate(chat.messages)]
+    prompt_token_ids = state.render_chat(messages, chat.add_generation_prompt)
+    header = ResponseHeader(new_request_id("chatcmpl"), "chat.completion", state.served_model_name,
+                            state.system_fingerprint)
+    generation = await state.start(prompt_token_ids, None, params, header.request_id, "messages")
+    if chat.stream:
+        header.object = "chat.completion.chunk"
+        events = _events(chat, header, generation, state.token_bytes)
+        return EventStreamResponse(events, on_close=generation.close)
+    try:
+        output = await run_until_disconnect(request.receive, generation.final())
+    except ClientDisconnected:
+        raise
+    except Exception as error:
+        raise engine_error(error) from error
+    finally:
+        generation.close()
+    return JSONResponse(_response_body(chat, header, output, state.token_bytes))
+
+
+def _logprobs(chat: ChatCompletionRequest, completion: CompletionOutput, start: int,
+              token_bytes: TokenBytes) -> dict | None:
+    if not chat.logprobs:
+        return None
+    end = len(completion.token_ids)  # the engine appends to the logprobs list as it goes
+    content = chat_logprobs(completion.token_ids[start:end], completion.logprobs[start:end],
+                            chat.top_logprobs or 0, token_bytes)
+    return {"content": content, "refusal": None}
+
+
+def _response_body(chat: ChatCompletionRequest, header: ResponseHeader, output: RequestOutput,
+                   token_bytes: TokenBytes) -> dict:
+    choices = [{
+        "index": completion.index,
+        "message": {"role": "assistant", "content": completion.text, "refusal": None},
+        "logprobs": _logprobs(chat, completion, 0, token_bytes),
+        "finish_reason": finish_reason(completion),
+    } for completion in output.outputs]
+    num_generated = sum(len(completion.token_ids) for completion in output.outputs)
+    return header.body(choices, usage=usage(len(output.prompt_token_ids), num_generated))
+
+
+async def _events(chat: ChatCompletionRequest, header: ResponseHeader, generation: Generation,
+                  token_bytes: TokenBytes):
+    extra = {"usage": None} if chat.include_usage else {}
+
+    def chunk(index: int, delta: dict, logprobs: dict | None = None, reason: str | None = None) -> bytes:
+        return sse_event(header.body([{"index": index, "delta": delta, "logprobs": logprobs,
+                                       "finish_reason": reason}], **extra))
+
+    num_choices = chat.n
+    sent_text, sent_tokens, done = [""] * num_choices, [0] * num_choices, [False] * num_choices
+    try:
+        for index in range(num_choices):
+            yield chunk(index, {"role": "assistant", "content": ""})
+        output = None
+        async for output in generation:
+            for completion in output.outputs:
+                index = completion.index
+                if done[index]:
+                    continue
+                delta_text = completion.text[len(sent_text[index]):]
+                num_tokens = len(completion.token_ids)
+                if delta_text or (chat.logprobs and num_tokens > sent_tokens[index]):
+                    logprobs = _logprobs(chat, completion, sent_tokens[index], token_bytes)
+                    yield chunk(index, {"content": delta_text}, logprobs)
+                    sent_text[index], sent_tokens[index] = completion.text, num_tokens
+                if completion.finish_reason is not None:
+                    done[index] = True
+                    yield chunk(index, {}, reason=finish_reason(completion))
+        if chat.include_usage and output is not None:
+            num_generated = sum(len(completion.token_ids) for completion in output.outputs)
+            yield sse_event(header.body([], usage=usage(len(output.prompt_token_ids), num_generated)))
+    except Exception as error:  # headers are sent: the error travels as an event
+        yield sse_event(engine_error(error).body())
+    finally:
+        generation.close()
+    yield DONE_EVENT

@@ -1,0 +1,129 @@
+"""``POST /v1/completions`` (text or token-id prompts, one or many), streamed or not."""
+
+from __future__ import annotations
+
+import asyncio
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from weir.outputs import CompletionOutput
+from weir.server.body import parse, read_json
+from weir.server.errors import bad_request, from_value_error
+from weir.server.generation import Generation, merge
+from weir.server.logprobs import completion_logprobs
+from weir.server.protocol import CompletionRequest
+from weir.server.shapes import ResponseHeader, engine_error, finish_reason, usage
+from weir.server.state import ServerState, new_request_id
+from weir.server.streaming import (DONE_EVENT, ClientDisconnected, EventStreamResponse, run_until_disconnect,
+                                  sse_event)
+
+
+async def create_completion(request: Request, state: ServerState) -> Response:
+    body = parse(CompletionRequest, await read_json(request, state.settings.max_request_body_bytes))
+    state.check_model(body.model)
+    body.check_supported()
+    try:
+        params = body.to_sampling_params()
+    except ValueError as error:
+        raise from_value_error(error) from error
+    prompts = [_tokenized(state, prompt, body.echo) for prompt in body.prompts()]
+    header = ResponseHeader(new_request_id("cmpl"), "text_completion", state.served_model_name,
+                            state.system_fingerprint)
+    generations = await state.start_all(prompts, params, header.request_id, "prompt")
+    echoes = [(text or "") if body.echo else "" for _, text in prompts]
+
+    def close_all() -> None:
+        for generation in generations:
+            generation.close()
+
+    if body.stream:
+        return EventStreamResponse(_events(body, header, generations, echoes), on_close=close_all)
+    try:
+        outputs = await run_until_disconnect(request.receive, asyncio.gather(*(g.final() for g in generations)))
+    except ClientDisconnected:
+        raise
+    except Exception as error:
+        raise engine_error(error) from error
+    finally:
+        close_all()
+    choices, num_prompt_tokens, num_generated = [], 0, 0
+    for prompt_index, output in enumerate(outputs):
+        num_prompt_tokens += len(output.prompt_token_ids)
+        for completion in output.outputs:
+            num_generated += len(completion.token_ids)
+            logprobs = _logprobs(body, completion, 0, len(echoes[prompt_index]))[0]
+            choices.append(_choice(body, prompt_index, completion, echoes[prompt_index] + completion.text,
+                                   logprobs, finish_reason(completion)))
+    return JSONResponse(header.body(choices, usage=usage(num_prompt_tokens, num_generated)))
+
+
+def _tokenized(state: ServerState, prompt: str | list[int], echo: bool) -> tuple[list[int], str | None]:
+    if isinstance(prompt, str):
+        return state.encode(prompt), prompt
+    vocab_size = state.engine.engine.model_config.vocab_size
+    bad = [token_id for token_id in prompt if not 0 <= token_id < vocab_size]
+    if bad:
+        raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="prompt")
+    return prompt, state.decode(prompt) if echo else None
+
+
+def _choice(body: CompletionRequest, prompt_index: int, completion: CompletionOutput, text: str,
+            logprobs: dict | None, reason: str | None) -> dict:
+    return {"index": prompt_index * body.n + completion.index, "text": text, "logprobs": logprobs,
+            "finish_reason": reason}
+
+
+def _logprobs(body: CompletionRequest, completion: CompletionOutput, start: int,
+              text_offset: int) -> tuple[dict | None, int]:
+    if body.logprobs is None:
+        return None, text_offset
+    end = len(completion.token_ids)  # the engine appends to the logprobs list as it goes
+    return completion_logprobs(completion.token_ids[start:end], completion.logprobs[start:end], text_offset)
+
+
+async def _events(body: CompletionRequest, header: ResponseHeader, generations: list[Generation],
+                  echoes: list[str]):
+    extra = {"usage": None} if body.include_usage else {}
+    # Per choice (prompt index, completion index): text and tokens sent, text offset, done.
+    sent_text: dict[tuple[int, int], str] = {}
+    sent_tokens: dict[tuple[int, int], int] = {}
+    offsets: dict[tuple[int, int], int] = {}
+    done: set[tuple[int, int]] = set()
+    last_outputs: dict[int, object] = {}
+
+    def chunk(prompt_index, completion, text, logprobs=None, reason=None) -> bytes:
+        return sse_event(header.body([_choice(body, prompt_index, completion, text, logprobs, reason)], **extra))
+
+    try:
+        async for prompt_index, output in merge(generations):
+            last_outputs[prompt_index] = output
+            for completion in output.outputs:
+                key = (prompt_index, completion.index)
+                if key in done:
+                    continue
+                if key not in sent_text:
+                    sent_text[key], sent_tokens[key] = "", 0
+                    offsets[key] = len(echoes[prompt_index])
+                    if echoes[prompt_index]:
+                        yield chunk(prompt_index, completion, echoes[prompt_index])
+                delta_text = completion.text[len(sent_text[key]):]
+                num_tokens = len(completion.token_ids)
+                if delta_text or (body.logprobs is not None and num_tokens > sent_tokens[key]):
+                    logprobs, offsets[key] = _logprobs(body, completion, sent_tokens[key], offsets[key])
+                    yield chunk(prompt_index, completion, delta_text, logprobs)
+                    sent_text[key], sent_tokens[key] = completion.text, num_tokens
+                if completion.finish_reason is not None:
+                    done.add(key)
+                    yield chunk(prompt_index, completion, "", reason=finish_reason(completion))
+        if body.include_usage:
+            outputs = [last_outputs[index] for index in sorted(last_outputs)]
+            num_prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+            num_generated = sum(len(c.token_ids) for output in outputs for c in output.outputs)
+            yield sse_event(header.body([], usage=usage(num_prompt_tokens, num_generated)))
+    except Exception as error:  # headers are sent: the error travels as an event
+        yield sse_event(engine_error(error).body())
+    finally:
+        for generation in generations:
+            generation.close()
+    yield DONE_EVENT

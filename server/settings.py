@@ -1,0 +1,33 @@
+"""The server's own options (the engine's are ``EngineArgs``); light to import, for the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MAX_NUM_QUEUED_REQS = 1024
+DEFAULT_MAX_NUM_QUEUED_TOKENS = 1 << 20
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
+DEFAULT_SHUTDOWN_GRACE_SECONDS = 10.0
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_num_queued_reqs: int = DEFAULT_MAX_NUM_QUEUED_REQS  # requests in flight at most
+    max_num_queued_tokens: int = DEFAULT_MAX_NUM_QUEUED_TOKENS  # prompt tokens not yet started
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    shutdown_grace_seconds: float = DEFAULT_SHUTDOWN_GRACE_SECONDS
+    uvicorn_log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_queued_reqs", "max_num_queued_tokens", "max_request_body_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise ValueError(f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, "
+                             f"got {self.uvicorn_log_level!r}")
+        if self.shutdown_grace_seconds < 0:
+            raise ValueError(f"shutdown_grace_seconds must be >= 0, got {self.shutdown_grace_seconds}")

@@ -1,0 +1,101 @@
+"""What the request handlers share: the engine, settings, admission control and metrics."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from weir import __version__
+from weir.async_engine import AsyncLLMEngine, EngineDeadError
+from weir.server.admission import AdmissionControl
+from weir.server.errors import APIError, bad_request, from_value_error
+from weir.server.generation import Generation
+from weir.server.logprobs import TokenBytes
+from weir.server.metrics import ServerMetrics
+from weir.server.settings import ServerSettings
+from weir.tokenizer import apply_chat_template, encode_prompt
+
+@dataclass
+class ServerState:
+    engine: AsyncLLMEngine
+    settings: ServerSettings
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.admission = AdmissionControl(self.settings.max_num_queued_reqs, self.settings.max_num_queued_tokens)
+        config = self.engine.engine.config
+        self.served_model_name = config.model.served_model_name
+        self.max_model_len = config.scheduler.max_model_len
+        self.chat_template = config.model.chat_template
+        self.tokenizer = self.engine.engine.tokenizer
+        self.token_bytes = TokenBytes(self.tokenizer)
+        self.version = __version__
+        self.system_fingerprint = f"fp_weir_{__version__}"
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.served_model_name:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves "
+                                f"'{self.served_model_name}'", param="model", code="model_not_found")
+
+    # Tokenizing runs on the event loop thread; the engine thread only decodes, and fast
+    # tokenizers allow that concurrently.
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        try:
+            return apply_chat_template(self.tokenizer, messages, self.chat_template, add_generation_prompt)
+        except ValueError as error:
+            raise bad_request(str(error), param="messages") from error
+        except Exception as error:  # a Jinja error names what in the template broke
+            raise bad_request(f"the chat template cannot render these messages: {error}",
+                              param="messages") from error
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if add_special_tokens:
+            return encode_prompt(self.tokenizer, text)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, token_ids: list[int]) -> str:
+        vocab_size = self.engine.engine.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="tokens")
+        return self.tokenizer.decode(token_ids)
+
+    async def start(self, prompt_token_ids: list[int], prompt_text: str | None, params,
+                    request_id: str, param: str) -> Generation:
+        """Admit one prompt and hand it to the engine: 503 over the limits, 400 for a prompt
+        the engine refuses (too long for the context, ...), naming ``param``."""
+        ticket = self.admission.admit(len(prompt_token_ids))
+        record = self.metrics.new_request(len(prompt_token_ids))
+        try:
+            prompt = {"prompt_token_ids": prompt_token_ids, "prompt": prompt_text}
+            stream = await self.engine.add_request(request_id, prompt, params)
+        except ValueError as error:
+            ticket.release()
+            raise from_value_error(error, default_param=param) from error
+        except EngineDeadError as error:
+            ticket.release()
+            raise APIError(503, f"the engine is not serving: {error}", code="engine_unavailable") from error
+        except BaseException:
+            ticket.release()
+            raise
+        return Generation(stream, ticket, record, self.metrics)
+
+    async def start_all(self, prompts: list[tuple[list[int], str | None]], params, base_id: str,
+                        param: str) -> list[Generation]:
+        """``start`` each prompt; if one fails, the ones already started are aborted."""
+        generations: list[Generation] = []
+        try:
+            for index, (token_ids, text) in enumerate(prompts):
+                request_id = base_id if len(prompts) == 1 else f"{base_id}-{index}"
+                generations.append(await self.start(token_ids, text, params, request_id, param))
+        except BaseException:
+            for generation in generations:
+                generation.close()
+            raise
+        return generations
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"

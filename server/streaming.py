@@ -1,0 +1,111 @@
+"""Server-sent events, and noticing a client that went away.
+
+A client that disconnects must abort its request at once, not at the next token: both the SSE
+response and ``run_until_disconnect`` watch the ASGI ``receive`` channel for
+``http.disconnect`` and cancel the work when it comes (cancellation closes the generation,
+which aborts it in the engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from starlette.types import Receive, Scope, Send
+
+logger = logging.getLogger(__name__)
+
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+DONE_EVENT = b"data: [DONE]\n\n"
+SHUTDOWN_ERROR = {"error": {"message": "the server is shutting down; this request was aborted",
+                            "type": "server_error", "param": None, "code": "server_shutting_down"}}
+
+
+class ClientDisconnected(Exception):
+    """The client closed its connection before the answer was ready."""
+
+
+def sse_event(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnect(receive: Receive, work: Awaitable):
+    """Await ``work``; if the client disconnects first, cancel it and raise ClientDisconnected."""
+    work_task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler itself is cancelled (shutdown past its grace period)
+        watcher.cancel()
+        client_left = not work_task.done()
+        if client_left:
+            work_task.cancel()
+            await asyncio.gather(work_task, return_exceptions=True)
+    if client_left:
+        raise ClientDisconnected()
+    return work_task.result()
+
+
+class EventStreamResponse:
+    """An ASGI response streaming ``events`` (already-encoded SSE bytes); on disconnect the
+    stream is cancelled and ``events`` closed, and ``on_close`` runs in every case. When the
+    server cancels it (shutdown past the grace period) the client gets an error event and
+    ``[DONE]`` rather than a cut connection."""
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None] | None = None):
+        self.events = events
+        self.on_close = on_close
+        self.status_code = 200
+        self._started = self._ended = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        producer = asyncio.ensure_future(self._send_events(send))
+        watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+        cancelled = False
+        try:
+            await asyncio.wait({producer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            cancelled = True
+        finally:
+            client_left = watcher.done()
+            for task in (producer, watcher):
+                task.cancel()
+            results = await asyncio.gather(producer, watcher, return_exceptions=True)
+            if isinstance(results[0], Exception):
+                logger.error("streaming a response failed", exc_info=results[0])
+            aclose = getattr(self.events, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            if self.on_close is not None:
+                self.on_close()
+        if cancelled and self._started and not self._ended and not client_left:
+            # Deliberately not re-raised: this is the handler's last act, and the server only
+            # cancels handlers when it is stopping.
+            try:
+                await asyncio.wait_for(self._finish(send, sse_event(SHUTDOWN_ERROR) + DONE_EVENT), 1.0)
+            except (OSError, asyncio.TimeoutError):
+                pass
+
+    async def _send_events(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        self._started = True
+        try:
+            async for event in self.events:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+        except OSError:  # the connection broke under a write: same as a disconnect
+            return
+        await self._finish(send, b"")
+
+    async def _finish(self, send: Send, last_body: bytes) -> None:
+        self._ended = True
+        await send({"type": "http.response.body", "body": last_body, "more_body": False})

@@ -1,0 +1,41 @@
+"""``build_app`` served by uvicorn on a thread of the test process, so a test can reach into the
+engine (inject faults, pause it) while real HTTP requests go through 127.0.0.1."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import uvicorn
+
+from weir.async_engine import AsyncLLMEngine
+from weir.engine import LLMEngine
+from weir.server.app import build_app
+from weir.server.settings import ServerSettings
+
+
+@contextlib.contextmanager
+def serve_in_thread(model_path, settings: ServerSettings | None = None, **engine_options):
+    """Yields ``(port, async_engine, app)``; the server and the engine stop on exit."""
+    options = {"device": "cpu", "max_model_len": 256, "served_model_name": "tiny", **engine_options}
+    engine = AsyncLLMEngine(LLMEngine.from_options(str(model_path), **options))
+    app = build_app(engine, settings or ServerSettings())
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
+    # Off the main thread uvicorn installs no signal handlers.
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the in-process server did not start")
+        time.sleep(0.02)
+    try:
+        yield sock.getsockname()[1], engine, app
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()

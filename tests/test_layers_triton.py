@@ -1,0 +1,189 @@
+"""The Triton layer kernels (weir.kernels.triton_layers) against the torch layers, their oracles.
+
+Each ``check_*`` runs on the CPU in Triton's interpreter (a subprocess, see helpers_triton) and
+compiled on CUDA (marked gpu). fp32 must agree to rounding; bf16 to one unit in the last place
+(the interpreter truncates when it narrows to bf16, so it gets a looser bound than CUDA).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+
+from helpers_triton import run_interpreted, torch_ops_forced
+from weir.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _kernels():
+    from weir.kernels import triton_layers  # imports triton: only inside a check
+
+    return triton_layers
+
+
+def _randn(*shape, device, dtype, scale=1.0, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=generator) * scale).to(device=device, dtype=dtype)
+
+
+def _assert_close(actual, expected, device):
+    """fp32: rounding only. bf16: one ulp on CUDA (a few under the interpreter's truncation)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if expected.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+        return
+    ulp = 2**-7  # bf16's spacing relative to a value, at worst
+    scale = expected.float().abs().amax().item()
+    # Interpreted, each truncation can cost an ulp of the operands, which cancellation exposes.
+    atol = ulp * scale * (0.1 if device == "cuda" else 3)
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=ulp if device == "cuda" else 3 * ulp, atol=atol)
+
+
+def _norm(hidden, device, dtype, seed=0):
+    norm = RMSNorm(hidden, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=torch.Generator().manual_seed(seed)) * 0.2 + 1.0)
+    return norm.to(device=device, dtype=dtype)
+
+
+def check_rms_norm(device):
+    for dtype in DTYPES:
+        for hidden in (64, 200):
+            norm = _norm(hidden, device, dtype)
+            x = _randn(37, hidden, device=device, dtype=dtype, scale=3.0, seed=1)
+            with torch_ops_forced():
+                expected = norm(x)
+            _assert_close(_kernels().rms_norm_triton(x, norm.weight, norm.eps), expected, device)
+
+
+def check_rms_norm_of_strided_heads(device):
+    # Qwen3's q_norm: [tokens, heads, head_dim] views into a wider qkv row.
+    for dtype in DTYPES:
+        norm = _norm(32, device, dtype)
+        qkv = _randn(9, 7 * 32 + 5, device=device, dtype=dtype, seed=2)
+        q = qkv[:, 5:5 + 4 * 32].view(9, 4, 32)
+        with torch_ops_forced():
+            expected = norm(q)
+        _assert_close(_kernels().rms_norm_triton(q, norm.weight, norm.eps), expected, device)
+
+
+def check_rms_norm_adds_the_residual_in_place(device):
+    for dtype in DTYPES:
+        norm = _norm(96, device, dtype)
+        x = _randn(21, 96, device=device, dtype=dtype, scale=3.0, seed=3)
+        residual = _randn(21, 96, device=device, dtype=dtype, seed=4)
+        with torch_ops_forced():
+            expected, expected_residual = norm(x, residual)
+        residual_before = residual.clone()
+        out, new_residual = _kernels().rms_norm_triton(x, norm.weight, norm.eps, residual)
+        assert new_residual.data_ptr() == residual.data_ptr()  # updated in place
+        assert not torch.equal(residual, residual_before)
+        if dtype == torch.float32 or device == "cuda":
+            assert torch.equal(new_residual, expected_residual)
+        _assert_close(new_residual, expected_residual, device)
+        _assert_close(out, expected, device)
+
+
+def check_silu_and_mul(device):
+    for dtype in DTYPES:
+        for intermediate in (40, 1500):  # 1500: two column blocks, the second partial
+            gate_up = _randn(13, 2 * intermediate, device=device, dtype=dtype, scale=3.0, seed=5)
+            expected = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+            _assert_close(_kernels().silu_and_mul_triton(gate_up), expected, device)
+
+
+def _rope(rotary_dim, device, dtype):
+    config = LlamaConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+                         max_position_embeddings=512)
+    rope = RotaryEmbedding(config, 32, 512, rotary_dim=rotary_dim)
+    rope.cos_sin_cache = rope.cos_sin_cache.to(dtype)
+    rope.materialize_buffers(torch.device(device))
+    return rope
+
+
+def check_rotary_in_place(device):
+    num_tokens, num_heads, num_kv_heads, head_dim = 19, 8, 2, 32
+    for dtype in DTYPES:
+        for rotary_dim in (32, 16):  # full and partial rotary
+            rope = _rope(rotary_dim, device, dtype)
+            qkv = _randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=device, dtype=dtype, seed=6)
+            q = qkv[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+            k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(
+                num_tokens, num_kv_heads, head_dim)
+            v_before = qkv[:, (num_heads + num_kv_heads) * head_dim:].clone()
+            positions = torch.randint(0, 512, (num_tokens,), generator=torch.Generator().manual_seed(7)).to(device)
+            with torch_ops_forced():
+                expected_q, expected_k = rope(positions, q, k)
+            rotated_q, rotated_k = _kernels().rotary_triton(positions, q, k, rope.cos_sin_cache)
+            assert rotated_q.data_ptr() == q.data_ptr() and rotated_k.data_ptr() == k.data_ptr()
+            assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim:], v_before)  # v untouched
+            if dtype == torch.float32 or device == "cuda":
+                # Same roundings as torch, FMA contraction off: bit for bit.
+                assert torch.equal(rotated_q, expected_q) and torch.equal(rotated_k, expected_k)
+            _assert_close(rotated_q, expected_q, device)
+            _assert_close(rotated_k, expected_k, device)
+
+
+CHECKS = [
+    check_rms_norm,
+    check_rms_norm_of_strided_heads,
+    check_rms_norm_adds_the_residual_in_place,
+    check_silu_and_mul,
+    check_rotary_in_place,
+]
+
+
+def run_checks(device: str) -> None:
+    for check in CHECKS:
+        check(device)
+        print("ok", check.__name__, flush=True)
+
+
+def test_kernels_interpreted_on_cpu():
+    run_interpreted("test_layers_triton", "run_checks", [check.__name__ for check in CHECKS])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__)
+def test_kernels_on_cuda(check):
+    check("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_modules_dispatch_to_triton():
+    dtype = torch.bfloat16
+    norm = _norm(128, "cuda", dtype)
+    x = _randn(8, 128, device="cuda", dtype=dtype, seed=8)
+    residual = _randn(8, 128, device="cuda", dtype=dtype, seed=9)
+    with torch_ops_forced():
+        expected, expected_residual = norm(x, residual.clone())
+    out, new_residual = norm(x, residual)
+    assert new_residual.data_ptr() == residual.data_ptr()  # the fused kernel ran
+    assert torch.equal(new_residual, expected_residual)
+    _assert_close(out, expected, "cuda")
+
+    mlp = GatedMLP(64, 96).to(device="cuda", dtype=dtype)
+    with torch.no_grad():
+        for parameter in mlp.parameters():
+            parameter.copy_(torch.randn_like(parameter) * 0.1)
+        hidden = _randn(5, 64, device="cuda", dtype=dtype, seed=10)
+        with torch_ops_forced():
+            expected_mlp = mlp(hidden)
+        # The down projection mixes 96 products: an ulp in one activation moves the sum a little.
+        torch.testing.assert_close(mlp(hidden).float(), expected_mlp.float(), rtol=0.02,
+                                   atol=0.02 * expected_mlp.float().abs().amax().item())
+
+    rope = _rope(32, "cuda", dtype)
+    q = _randn(4, 8, 32, device="cuda", dtype=dtype, seed=11)
+    k = _randn(4, 2, 32, device="cuda", dtype=dtype, seed=12)
+    positions = torch.arange(4, device="cuda")
+    with torch_ops_forced():
+        expected_q, expected_k = rope(positions, q, k)
+    rotated_q, rotated_k = rope(positions, q, k)
+    assert rotated_q.data_ptr() == q.data_ptr()  # rotated in place: the kernel ran
+    assert torch.equal(rotated_q, expected_q) and torch.equal(rotated_k, expected_k)

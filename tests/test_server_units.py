@@ -1,0 +1,84 @@
+"""The server's pure parts without a server: admission control, error shapes, request schemas,
+logprob shapes, token bytes."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from weir.outputs import Logprob
+from weir.server.admission import AdmissionControl
+from weir.server.errors import APIError, from_validation_error, from_value_error
+from weir.server.logprobs import TokenBytes, chat_logprobs, completion_logprobs
+from weir.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+def test_admission_limits_requests_and_queued_prompt_tokens():
+    control = AdmissionControl(max_num_queued_reqs=2, max_num_queued_tokens=100)
+    first = control.admit(60)
+    with pytest.raises(APIError) as rejected:
+        control.admit(50)  # 60 + 50 queued prompt tokens > 100
+    assert rejected.value.status == 503 and "--max-num-queued-tokens" in rejected.value.message
+    first.started()  # its prefill ran: its tokens no longer count as queued
+    second = control.admit(50)
+    with pytest.raises(APIError, match="--max-num-queued-reqs"):
+        control.admit(1)
+    first.release()
+    first.release()  # idempotent
+    second.release()
+    assert (control.num_requests, control.num_waiting_tokens, control.num_rejected) == (0, 0, 2)
+    big = control.admit(500)  # bigger than the token limit, but nothing else waits: it may run
+    big.release()
+
+
+def test_validation_errors_name_the_field_without_union_tags():
+    with pytest.raises(ValidationError) as caught:
+        CompletionRequest.model_validate({"prompt": [1, "a"]})
+    error = from_validation_error(caught.value)
+    assert error.status == 400 and error.param.startswith("prompt") and "list[" not in error.param
+    with pytest.raises(ValidationError) as caught:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": 5}]})
+    assert from_validation_error(caught.value).param == "messages.0.content"
+    with pytest.raises(ValidationError) as caught:
+        ChatCompletionRequest.model_validate({"messages": [], "temperature": "1"})  # strict: no coercion
+    assert from_validation_error(caught.value).param == "temperature"
+
+
+def test_value_errors_map_engine_fields_onto_request_fields():
+    assert from_value_error(ValueError("top_p must be in (0, 1], got 2")).param == "top_p"
+    error = from_value_error(ValueError("logprobs=30 is more than max_logprobs=20"),
+                             renamed={"logprobs": "top_logprobs"})
+    assert error.param == "top_logprobs"
+    error = from_value_error(ValueError("the prompt has 300 tokens, but max_model_len is 256"),
+                             default_param="prompt")
+    assert (error.param, error.code) == ("prompt", "context_length_exceeded")
+    assert error.body() == {"error": {"message": "the prompt has 300 tokens, but max_model_len is 256",
+                                      "type": "invalid_request_error", "param": "prompt",
+                                      "code": "context_length_exceeded"}}
+
+
+def test_chat_sampling_params_follow_openai_defaults():
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9,
+                                                 "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 3})
+    chat.check_supported()
+    params = chat.to_sampling_params()
+    assert (params.max_tokens, params.logprobs, params.temperature) == (5, 3, 1.0)
+    unbounded = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
+    assert unbounded.to_sampling_params().max_tokens is None  # the engine clamps to the context
+    completion = CompletionRequest.model_validate({"prompt": [[1, 2], [3]], "top_k": -1})
+    assert completion.prompts() == [[1, 2], [3]] and completion.to_sampling_params().max_tokens == 16
+
+
+def test_logprob_shapes(tiny_llama_path):
+    from transformers import AutoTokenizer
+
+    token_bytes = TokenBytes(AutoTokenizer.from_pretrained(tiny_llama_path))
+    # byte 0xC3 is half of "é": its text is U+FFFD, its bytes must still be [0xC3]
+    entries = [{0xC3: Logprob(-0.5, 1, "\ufffd"), 65: Logprob(-1.5, 2, "A")},
+               {66: Logprob(-2.0, 3, "B"), 65: Logprob(-0.1, 1, "A"), 67: Logprob(-0.9, 2, "C")}]
+    content = chat_logprobs([0xC3, 66], entries, 2, token_bytes)
+    assert content[0]["bytes"] == [0xC3] and content[1]["bytes"] == [66]
+    assert [top["token"] for top in content[1]["top_logprobs"]] == ["A", "C"]
+    legacy, end = completion_logprobs([0xC3, 66], entries, text_offset=3)
+    assert legacy["tokens"] == ["\ufffd", "B"] and legacy["text_offset"] == [3, 4] and end == 5
+    assert legacy["top_logprobs"][1] == {"A": -0.1, "C": -0.9, "B": -2.0}
