@@ -101,7 +101,8 @@ class EngineArgs:
     device: str | None = field(default=None, metadata=_help("platform: cpu, cuda, rocm, xpu (default: detect)"))
     dtype: str = field(default="auto", metadata=_help("auto, float32, bfloat16, float16"))
     max_model_len: int | None = field(default=None, metadata=_help("context length (default: the model's)"))
-    max_num_seqs: int = field(default=256, metadata=_help("requests in one batch at most"))
+    max_num_seqs: int | None = field(default=None, metadata=_help(
+        "requests in one batch at most (default: 256 on CPU, 1024 otherwise)"))
     max_num_batched_tokens: int | None = field(default=None, metadata=_help(
         "tokens in one step at most (default: 8192 on CPU, 16384 otherwise)"))
     block_size: int = field(default=16, metadata=_help("tokens per KV cache block"))
@@ -145,6 +146,7 @@ class EngineArgs:
             raise ValueError(f"max_model_len={max_model_len} is longer than the model's "
                              f"max_position_embeddings={model_max}")
         default_tokens = 8192 if platform_device_type == "cpu" else 16384
+        max_num_seqs = self.max_num_seqs or (256 if platform_device_type == "cpu" else 1024)
         max_batched = self.max_num_batched_tokens or default_tokens
         chat_template = self.chat_template
         if chat_template is not None and os.path.isfile(chat_template):
@@ -160,7 +162,7 @@ class EngineArgs:
             model=model_cfg,
             cache=CacheConfig(self.block_size, self.enable_prefix_caching,
                               self.kv_cache_memory_bytes, self.gpu_memory_utilization),
-            scheduler=SchedulerConfig(self.max_num_seqs, max_batched, max_model_len,
+            scheduler=SchedulerConfig(max_num_seqs, max_batched, max_model_len,
                                       self.async_scheduling),
             parallel=ParallelConfig(self.tensor_parallel_size),
             device=self.device, attention_backend=self.attention_backend,

@@ -48,7 +48,10 @@ def qwen3_path(tmp_path_factory):
                            hidden_size=256, intermediate_size=512, head_dim=64)
 
 
-def test_qwen3_bf16_parity_and_graphs_match_eager(qwen3_path):
+def test_qwen3_bf16_parity_with_graphs_and_eager(qwen3_path):
+    """Graphs and eager both follow transformers. They are not compared token for token with each
+    other: a padded graph batch runs other GEMM kernels, and bf16 rounding then breaks near-ties
+    differently (seen on the H200: one flip at token 8 of one prompt)."""
     from transformers import AutoModelForCausalLM
 
     rng = random.Random(0)
@@ -64,12 +67,12 @@ def test_qwen3_bf16_parity_and_graphs_match_eager(qwen3_path):
         assert_nothing_held(llm)
         del llm
         torch.cuda.empty_cache()
-    assert results[False] == results[True]
-
     hf = AutoModelForCausalLM.from_pretrained(qwen3_path, dtype=torch.bfloat16).cuda()
-    matched = [assert_greedy_parity(ours, *hf_greedy_bf16(hf, p, NUM_TOKENS), margin_tol=0.25)
-               for ours, p in zip(results[False], prompts)]
-    print("tokens identical before any near-tie divergence:", matched)
+    references = [hf_greedy_bf16(hf, p, NUM_TOKENS) for p in prompts]
+    for eager, outputs in results.items():
+        matched = [assert_greedy_parity(ours, *reference, margin_tol=0.25)
+                   for ours, reference in zip(outputs, references)]
+        print("eager" if eager else "graphs", "tokens identical before any near-tie divergence:", matched)
 
 
 def test_default_model_bf16_matches_transformers():
