@@ -1,91 +1,25 @@
-"""Qwen2 built from Weir's shared layers: Qwen3 without q/k norm, with bias on q/k/v only.
+"""Qwen2 as a third-party Weir plugin: Qwen3 without q/k norm, with bias on q/k/v only.
 
-Follows Weir's model contract (``weir.model_interface``): parameter names mirror the Hugging
-Face ones, so Weir's loader maps the checkpoint through ``stacked_params`` alone.
+A model plugin needs only Weir's contract (``weir.model_interface``); here it reuses the
+built-in Llama skeleton and changes the attention options, as Weir's own Qwen3 does. Parameter
+names mirror Hugging Face's, so Weir's loader maps the checkpoint through ``stacked_params``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-from torch import nn
-
-from weir.attention import AttentionLayerSpec, ForwardContext
 from weir.config import ModelConfig
-from weir.layers import (QKV_GATE_UP_STACKED_PARAMS, GatedMLP, LMHead, RMSNorm, RopeSelfAttention,
-                         RotaryEmbedding, VocabEmbedding, head_dim_of, num_kv_heads_of)
 from weir.layers.attention import require_full_attention
+from weir.plugins.models.llama import LlamaForCausalLM
 
 
-class Qwen2DecoderLayer(nn.Module):
-    def __init__(self, hf_config: Any, layer_idx: int, rotary_emb: RotaryEmbedding):
-        super().__init__()
-        hidden = hf_config.hidden_size
-        self.self_attn = RopeSelfAttention(
-            hidden, hf_config.num_attention_heads, num_kv_heads_of(hf_config), head_dim_of(hf_config),
-            layer_idx, rotary_emb, qkv_bias=True, o_bias=False)
-        self.mlp = GatedMLP(hidden, hf_config.intermediate_size, hf_config.hidden_act)
-        self.input_layernorm = RMSNorm(hidden, hf_config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(hidden, hf_config.rms_norm_eps)
-
-    def forward(
-        self,
-        positions: torch.Tensor,  # [num_tokens]
-        hidden_states: torch.Tensor,  # [num_tokens, hidden]
-        residual: torch.Tensor | None,  # [num_tokens, hidden]; None before the first layer
-        ctx: ForwardContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, ctx)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
-
-
-class Qwen2Model(nn.Module):
+class Qwen2ForCausalLM(LlamaForCausalLM):
     def __init__(self, config: ModelConfig):
-        super().__init__()
-        hf_config = config.hf_config
-        self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size)
-        self.rotary_emb = RotaryEmbedding(hf_config, head_dim_of(hf_config), config.max_model_len)
-        self.layers = nn.ModuleList(
-            Qwen2DecoderLayer(hf_config, layer_idx, self.rotary_emb)
-            for layer_idx in range(hf_config.num_hidden_layers))
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual, ctx)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
-
-
-class Qwen2ForCausalLM(nn.Module):
-    stacked_params = QKV_GATE_UP_STACKED_PARAMS
-    ignored_checkpoint_patterns = (r"rotary_emb\.inv_freq$",)
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
         # Qwen2's optional sliding-window layers (use_sliding_window) are not implemented here.
         require_full_attention(config.hf_config)
-        hf_config = config.hf_config
-        self.model = Qwen2Model(config)
-        tied = self.model.embed_tokens if getattr(hf_config, "tie_word_embeddings", False) else None
-        self.lm_head = LMHead(hf_config.hidden_size, hf_config.vocab_size, tie_to=tied)
+        super().__init__(config)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:  # [num_tokens, hidden]
-        return self.model(input_ids, positions, ctx)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states)  # [num_rows, vocab]
-
-    def attention_layers(self) -> list[AttentionLayerSpec]:
-        return [layer.self_attn.attn.spec for layer in self.model.layers]
+    @classmethod
+    def attention_options(cls, hf_config: Any) -> dict[str, Any]:
+        return {"qkv_bias": True, "o_bias": False, "qk_norm_eps": None}
