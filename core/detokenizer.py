@@ -61,6 +61,9 @@ class IncrementalDetokenizer:
             skip_special_tokens=params.skip_special_tokens,
         )
         self._stop_strings: list[str] = list(params.stop)
+        # As vLLM: stop strings are not looked for until min_tokens tokens are out.
+        self._min_tokens = params.min_tokens
+        self._num_tokens = 0
         self._longest_stop = max((len(stop) for stop in self._stop_strings), default=0)
         self._text = ""
         self._num_returned_chars = 0  # how much of the text next_delta has handed out
@@ -78,6 +81,7 @@ class IncrementalDetokenizer:
         """
         if self.stop_string_hit is not None:
             return ""
+        self._num_tokens += 1
         new_text = self._stream.step(self._backend, token_id)
         if not new_text:
             return ""  # None: the token only started a multi-byte character
@@ -87,7 +91,7 @@ class IncrementalDetokenizer:
         return self._text[previous_length:]
 
     def _check_stop_strings(self, num_new_chars: int) -> None:
-        if not self._stop_strings:
+        if not self._stop_strings or self._num_tokens < self._min_tokens:
             return
         # A new match must end inside the new text, so it starts at most len(stop) - 1 before it.
         search_from = max(0, len(self._text) - num_new_chars - (self._longest_stop - 1))

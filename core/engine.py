@@ -82,10 +82,11 @@ class LLMEngine:
         # The step loop allocates many short-lived objects, and each full collection would rescan
         # everything built at start-up (modules, tokenizer tables): measured at over 1 ms per
         # step with 256 requests. Freeze what exists now and collect young objects less often.
+        if gc.get_freeze_count() == 0:  # the first engine of the process
+            atexit.register(gc.unfreeze)  # let interpreter shutdown free them (else: leak reports)
         gc.collect()
         gc.freeze()
         gc.set_threshold(20_000, 50, 1_000)
-        atexit.register(gc.unfreeze)  # let interpreter shutdown free them (else: leak reports)
 
     @classmethod
     def from_options(cls, model: str | None = None, **options) -> "LLMEngine":
@@ -125,8 +126,10 @@ class LLMEngine:
         """Queue a request. ``final_only``: ``step()`` reports it only once it has finished (what
         offline generation needs; building every step's cumulative output is host work)."""
         params = params or SamplingParams()
-        if request_id in self._parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}-{index}" for index in range(params.n)]
+        taken = [i for i in [request_id, *child_ids] if i in self._parents or i in self._child_of]
+        if taken:
+            raise ValueError(f"request id {taken[0]!r} is already in use")
         prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
         self._validate(prompt_token_ids, params)
         max_model_len = self.config.scheduler.max_model_len
@@ -134,8 +137,7 @@ class LLMEngine:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         eos = frozenset() if params.ignore_eos else frozenset(self.model_config.eos_token_ids)
         parent = _Parent(request_id, prompt_text, prompt_token_ids, final_only)
-        for index in range(params.n):
-            child_id = request_id if params.n == 1 else f"{request_id}-{index}"
+        for index, child_id in enumerate(child_ids):
             seed = self._rng.getrandbits(63) if params.seed is None else params.seed + index
             request = Request(child_id, list(prompt_token_ids), params, eos, max_tokens, seed)
             want_logprobs = params.logprobs is not None
@@ -178,6 +180,9 @@ class LLMEngine:
         requests start from a consistent state (their rows and blocks are freed as usual)."""
         self._in_flight.clear()
         self.abort_request(list(self._parents))
+        # Blocks were registered in the prefix cache when scheduled; the failed step may never
+        # have written their KV.
+        self.scheduler.kv_cache.pool.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         """True while any request, step in flight, or runner row still needs a step."""
@@ -228,6 +233,10 @@ class LLMEngine:
             child.logprobs.append(entry_logprobs)
             child.cumulative_logprob += values[0]
         stop = child.detokenizer.stop_string_hit
-        if stop is not None and not update.request.is_finished:
-            self.scheduler.finish_request(update.request.request_id, RequestStatus.FINISHED_STOPPED, stop)
+        request = update.request
+        if stop is not None and not request.is_finished:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
+        elif stop is not None and request.status == RequestStatus.FINISHED_LENGTH:
+            # The stop string completed on the last allowed token: the text was cut, so it is a stop.
+            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
         return parent

@@ -37,7 +37,8 @@ class LLM:
                 request_ids.append(request_id)
             return self._run(request_ids, use_tqdm)
         except BaseException:
-            self.engine.abort_request(request_ids)
+            # The step that raised may have left blocks registered but never written.
+            self.engine.reset_after_failure()
             self._drain()
             raise
 

@@ -75,9 +75,13 @@ def profile_peak_bytes(runner) -> tuple[int, int]:
         dummy_forward(runner, query_lens, scratch)
         num_rows = scheduler.max_num_seqs
         logits = torch.randn(num_rows, runner.config.model.vocab_size, device=runner.device)
-        metadata = build_sampling_metadata([SamplingParams(temperature=0.7)] * num_rows,
-                                           seeds=list(range(num_rows)), positions=[1] * num_rows,
-                                           vocab_size=logits.shape[1], device=runner.device)
+        # The costliest sampling: penalties ([rows, vocab] counts and masks) and full logprobs.
+        params = SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1,
+                                logprobs=runner.config.max_logprobs)
+        metadata = build_sampling_metadata([params] * num_rows, seeds=list(range(num_rows)),
+                                           positions=[1] * num_rows, vocab_size=logits.shape[1],
+                                           device=runner.device, output_token_ids=[[1]] * num_rows,
+                                           prompt_token_ids=[[2]] * num_rows)
         runner.sampler.sample(logits, metadata)
 
     def warm_up_variants():

@@ -94,8 +94,12 @@ class ModelRunner:
             return self.platform.default_kv_cache_bytes(self.weight_bytes)
         step_peak, decode_peak = profile_peak_bytes(self)
         graph_reserve = decode_peak if self.use_graphs else 0
+        # The request table allocates its [rows, vocab] penalty state (int32 counts + bool mask)
+        # when the first request with penalties arrives: keep room for it.
+        penalty_state = self.config.scheduler.max_num_seqs * self.config.model.vocab_size * 5
         free, total = self.platform.memory_info()
-        budget = int(total * cache.gpu_memory_utilization) - (total - free) - step_peak - graph_reserve
+        budget = (int(total * cache.gpu_memory_utilization) - (total - free) - step_peak - graph_reserve
+                  - penalty_state)
         logger.info("memory: weights %.2f GiB, activations %.2f GiB, graphs (reserved) %.2f GiB, "
                     "KV budget %.2f GiB of %.2f GiB x %.2f", self.weight_bytes / GiB, step_peak / GiB,
                     graph_reserve / GiB, budget / GiB, total / GiB, cache.gpu_memory_utilization)

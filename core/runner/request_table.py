@@ -79,15 +79,16 @@ class RequestTable:
         # The sampler's contract: greedy rows (temperature 0 or top_k 1) carry temperature 0.
         temperature = 0.0 if params.is_greedy else params.temperature
         self.temperature.stage(row, temperature)
-        self.top_k.stage(row, params.top_k)
+        # Any int is a valid seed or top_k; the device holds them as int64 / int32.
+        self.top_k.stage(row, min(params.top_k, self.vocab_size))
         self.top_p.stage(row, params.top_p)
         self.min_p.stage(row, params.min_p)
-        self.seeds.stage(row, new.seed)
+        self.seeds.stage(row, (new.seed + 2**63) % 2**64 - 2**63)
         self.presence_penalty.stage(row, params.presence_penalty)
         self.frequency_penalty.stage(row, params.frequency_penalty)
         self.repetition_penalty.stage(row, params.repetition_penalty)
         self.temperature_host[row] = temperature
-        self.top_k_host[row] = params.top_k
+        self.top_k_host[row] = min(params.top_k, self.vocab_size)
         self.top_p_host[row] = params.top_p
         self.min_p_host[row] = params.min_p
         self.num_logprobs_host[row] = -1 if params.logprobs is None else params.logprobs

@@ -43,6 +43,9 @@ class SchedulerOutput:
     # Rows to give back before this step runs.
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
+    # The requests scheduled, by id: results are applied only to these very objects (an id can be
+    # reused after an abort while this step is still in flight). Host-side; the runner ignores it.
+    scheduled_requests: dict = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

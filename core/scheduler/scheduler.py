@@ -175,6 +175,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()), sampling_req_ids=sampling,
             min_tokens_req_ids=min_tokens, finished_req_ids=finished - preempted,
             preempted_req_ids=preempted,
+            scheduled_requests={request_id: self.requests[request_id] for request_id in num_scheduled},
         )
 
     def _new_request_data(self, request: Request) -> NewRequestData:
@@ -195,7 +196,7 @@ class Scheduler:
             if request_id not in output.sampling_req_ids:
                 continue  # a partial prefill chunk: its sample is not a real token
             request = self.requests.get(request_id)
-            if request is None:
+            if request is None or request is not output.scheduled_requests.get(request_id):
                 continue  # finished or aborted while this step ran: the token is dropped
             request.num_output_placeholders -= 1
             token_id = sampled.sampled_token_ids[batch_idx]

@@ -1,0 +1,94 @@
+"""Request lifecycles at the edges: a failed step, ids reused while a step is in flight, child
+ids of n>1, stop strings against min_tokens and max_tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_harness import assert_nothing_held
+from weir import LLM, SamplingParams
+
+PROMPT = {"prompt_token_ids": list(range(40, 80))}
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def run_to_end(engine, request_id):
+    last = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id == request_id:
+                last = output
+    return last
+
+
+def test_failed_step_does_not_poison_the_prefix_cache(tiny_llama_path):
+    reference = LLM(str(tiny_llama_path), device="cpu", max_model_len=256, block_size=4,
+                    enable_prefix_caching=False)
+    expected = reference.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+    llm = LLM(str(tiny_llama_path), device="cpu", max_model_len=256, block_size=4)
+    model = llm.engine.runner.model
+
+    def broken_forward(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    model.forward = broken_forward
+    with pytest.raises(RuntimeError, match="injected failure"):
+        llm.generate(PROMPT, GREEDY, use_tqdm=False)
+    del model.forward
+    assert_nothing_held(llm)
+    assert llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_id_reused_after_abort_gets_only_its_own_tokens(tiny_llama_path, async_scheduling):
+    llm = LLM(str(tiny_llama_path), device="cpu", max_model_len=256, async_scheduling=async_scheduling)
+    other = {"prompt_token_ids": list(range(100, 130))}
+    expected = llm.generate(other, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    engine = llm.engine
+    engine.add_request("r", PROMPT, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    engine.abort_request("r")
+    engine.add_request("r", other, GREEDY)  # while the aborted request's step may be in flight
+    assert run_to_end(engine, "r").outputs[0].token_ids == expected
+    assert_nothing_held(llm)
+
+
+def test_child_ids_of_n_cannot_collide(tiny_llm):
+    engine = tiny_llm.engine
+    engine.add_request("x", PROMPT, SamplingParams(n=2, max_tokens=4))
+    with pytest.raises(ValueError, match="'x-1' is already in use"):
+        engine.add_request("x-1", PROMPT, GREEDY)
+    with pytest.raises(ValueError, match="'x' is already in use"):
+        engine.add_request("x", PROMPT, GREEDY)
+    run_to_end(engine, "x")
+    assert_nothing_held(tiny_llm)
+
+
+def greedy_text(llm, max_tokens):
+    return llm.generate(PROMPT, GREEDY.clone(max_tokens=max_tokens), use_tqdm=False)[0].outputs[0]
+
+
+def test_stop_strings_wait_for_min_tokens(tiny_llm):
+    text = greedy_text(tiny_llm, 40).text
+    start = next(i for i in range(1, len(text) - 2) if "\ufffd" not in text[i:i + 2])
+    stop = text[start:start + 2]
+    held = tiny_llm.generate(PROMPT, GREEDY.clone(max_tokens=40, stop=[stop], min_tokens=20),
+                             use_tqdm=False)[0].outputs[0]
+    assert len(held.token_ids) >= 20
+
+
+def test_stop_string_on_the_last_allowed_token_is_a_stop(tiny_llm):
+    tokens = greedy_text(tiny_llm, 40).token_ids
+    tokenizer = tiny_llm.get_tokenizer()
+    for count in range(3, 40):  # a token count whose text ends in a stop string seen nowhere before
+        text = tokenizer.decode(tokens[:count])
+        stop = text[-2:]
+        if "\ufffd" not in stop and stop not in text[:-1] and tokenizer.decode(tokens[:count - 1]) != text:
+            break
+    else:
+        pytest.fail("no usable stop string in the greedy text")
+    output = tiny_llm.generate(PROMPT, GREEDY.clone(max_tokens=count, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert output.text == text[:-2]
+    assert (output.finish_reason, output.stop_reason) == ("stop", stop)
