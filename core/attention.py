@@ -67,6 +67,7 @@ class AttentionBackend(ABC):
 
     @classmethod
     def supports(cls, device_type: str, layer_kinds: set[str]) -> bool:
+        """Whether the backend runs on this device type and serves every one of these layer kinds."""
         return device_type in cls.supported_devices and layer_kinds <= cls.supported_layer_kinds
 
     def kv_cache_shape(self, num_blocks: int, layer: AttentionLayerSpec) -> tuple[int, ...]:

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from weir.config import EngineArgs, EngineConfig
-from weir.detokenizer import IncrementalDetokenizer
+from weir.detokenizer import IncrementalDetokenizer, decode_token
 from weir.kv_cache import KVCacheManager
 from weir.outputs import CompletionOutput, Logprob, RequestOutput
 from weir.request import Request, RequestStatus
@@ -229,7 +229,7 @@ class LLMEngine:
                 if token_id in entry_logprobs:
                     continue
                 entry_logprobs[token_id] = Logprob(value, rank if position == 0 else position,
-                                                   self.tokenizer.decode([token_id]))
+                                                   decode_token(self.tokenizer, token_id))
             child.logprobs.append(entry_logprobs)
             child.cumulative_logprob += values[0]
         stop = child.detokenizer.stop_string_hit

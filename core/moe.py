@@ -62,6 +62,7 @@ class MoEBackend(ABC):
 
     @classmethod
     def supports(cls, device_type: str) -> bool:
+        """Whether the backend runs on this device type."""
         return device_type in cls.supported_devices
 
     def forward(
@@ -74,6 +75,7 @@ class MoEBackend(ABC):
         renormalize: bool,
         activation: str = "silu",
     ) -> torch.Tensor:  # [num_tokens, hidden]
+        """Softmax routing to ``top_k`` experts (weights renormalised when asked), then the experts."""
         topk_weights, topk_ids = softmax_top_k(router_logits, top_k, renormalize)
         return self.experts(hidden, topk_weights, topk_ids, w_gate_up, w_down, activation)
 

@@ -7,7 +7,9 @@ reads a device value on the host: every size they need is a host integer the sch
 already knows (``num_tokens``, and tensor shapes).
 
 Padding (a batch padded to a CUDA-graph size) follows one convention in both versions: a
-padding request has ``idx_mapping[r] == -1`` (it reads and writes no table row, and gets
+padding request either points at the request table's spare all-zero row (what the runner's
+CUDA-graph batches do: it reads token 0 and writes only the null block) or has
+``idx_mapping[r] == -1`` (it reads and writes no table row, and gets
 ``seq_lens == 0``, a zero block-table row and slot -1), and tokens past
 ``query_start_loc[num_reqs]`` belong to no request (``input_ids`` and ``positions`` 0, slot -1).
 See ``weir.kernels.triton_input_prep`` for the details.
