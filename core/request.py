@@ -39,7 +39,6 @@ class Request:
     num_computed_tokens: int = 0
     # Tokens sampled on the device that the host has not seen yet (async scheduling).
     num_output_placeholders: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache

@@ -13,28 +13,15 @@ import argparse
 import os
 import statistics
 from collections.abc import Callable
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig
 
+from weir.kernels.dispatch import forced_torch_ops
 from weir.layers import RMSNorm, RotaryEmbedding
 from weir.sample import Sampler, build_sampling_metadata
 from weir.sampling_params import SamplingParams
-
-
-@contextmanager
-def triton_disabled(disabled: bool):
-    previous = os.environ.get("WEIR_DISABLE_TRITON")
-    os.environ["WEIR_DISABLE_TRITON"] = "1" if disabled else "0"
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["WEIR_DISABLE_TRITON"]
-        else:
-            os.environ["WEIR_DISABLE_TRITON"] = previous
 
 
 def time_us(fn: Callable[[], object], iters: int) -> float:
@@ -53,9 +40,9 @@ def time_us(fn: Callable[[], object], iters: int) -> float:
 
 
 def compare(name: str, fn: Callable[[], object], iters: int) -> None:
-    with triton_disabled(True):
+    with forced_torch_ops(True):
         torch_us = time_us(fn, iters)
-    with triton_disabled(False):
+    with forced_torch_ops(False):
         triton_us = time_us(fn, iters)
     print(f"{name:<56} {torch_us:>11.1f} {triton_us:>11.1f} {torch_us / triton_us:>8.1f}x", flush=True)
 

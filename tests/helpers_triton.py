@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -30,17 +29,3 @@ def run_interpreted(module_name: str, function_name: str, expected_checks: list[
     assert result.returncode == 0, report
     passed = {line.split()[1] for line in result.stdout.splitlines() if line.startswith("ok ")}
     assert passed == set(expected_checks), report
-
-
-@contextmanager
-def torch_ops_forced():
-    """Force the torch versions of every op (``WEIR_DISABLE_TRITON=1``) inside the block."""
-    previous = os.environ.get("WEIR_DISABLE_TRITON")
-    os.environ["WEIR_DISABLE_TRITON"] = "1"
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["WEIR_DISABLE_TRITON"]
-        else:
-            os.environ["WEIR_DISABLE_TRITON"] = previous

@@ -14,24 +14,12 @@ from torch import nn
 from typer.testing import CliRunner
 
 from bench_fake_server import FAKE_MODEL, TOKEN_DELAY_SECONDS, FakeOpenAIServer
-from helpers_models import _COMMON, TINY_VOCAB_SIZE, save_tiny_tokenizer
+from helpers_models import TINY_VOCAB_SIZE
 from weir.cli.bench import bench_app
 from weir.cli.bench.latency import decode_weight_bytes
 from weir.cli.bench.throughput import parse_random_range, random_workload
 
 TINY_ENGINE = ["--load-format", "dummy", "--device", "cpu", "--max-model-len", "128", "--block-size", "4"]
-
-
-@pytest.fixture(scope="module")
-def config_only_qwen3(tmp_path_factory):
-    """config.json + tokenizer, no weights: only loadable with --load-format dummy."""
-    from transformers import Qwen3Config
-
-    folder = tmp_path_factory.mktemp("config_only_qwen3")
-    Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=True,
-                architectures=["Qwen3ForCausalLM"]).save_pretrained(folder)
-    save_tiny_tokenizer(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -5,19 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers_models import _COMMON, save_tiny_tokenizer
+from helpers_models import _COMMON
 from weir.weights.dummy import DUMMY_HIGH, DUMMY_LOW, fill_dummy_weights
-
-
-@pytest.fixture(scope="module")
-def config_only_qwen3(tmp_path_factory):
-    from transformers import Qwen3Config
-
-    folder = tmp_path_factory.mktemp("config_only")
-    Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=True,
-                architectures=["Qwen3ForCausalLM"]).save_pretrained(folder)
-    save_tiny_tokenizer(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from helpers_models import _COMMON, save_tiny_tokenizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -41,17 +40,6 @@ def test_dummy_qwen3_8b_is_made_on_the_device_quickly():
         assert param.is_cuda and param.dtype == torch.bfloat16, name
         if "norm" not in name:
             assert param.abs().max() <= DUMMY_HIGH, name
-
-
-@pytest.fixture(scope="module")
-def config_only_qwen3(tmp_path_factory):
-    from transformers import Qwen3Config
-
-    folder = tmp_path_factory.mktemp("config_only_qwen3_gpu")
-    Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=True,
-                architectures=["Qwen3ForCausalLM"]).save_pretrained(folder)
-    save_tiny_tokenizer(folder)
-    return folder
 
 
 GPU_ENGINE = ["--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "256",

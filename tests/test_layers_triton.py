@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig
 
-from helpers_triton import run_interpreted, torch_ops_forced
+from helpers_triton import run_interpreted
+from weir.kernels.dispatch import forced_torch_ops
 from weir.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -54,7 +55,7 @@ def check_rms_norm(device):
         for hidden in (64, 200):
             norm = _norm(hidden, device, dtype)
             x = _randn(37, hidden, device=device, dtype=dtype, scale=3.0, seed=1)
-            with torch_ops_forced():
+            with forced_torch_ops():
                 expected = norm(x)
             _assert_close(_kernels().rms_norm_triton(x, norm.weight, norm.eps), expected, device)
 
@@ -65,7 +66,7 @@ def check_rms_norm_of_strided_heads(device):
         norm = _norm(32, device, dtype)
         qkv = _randn(9, 7 * 32 + 5, device=device, dtype=dtype, seed=2)
         q = qkv[:, 5:5 + 4 * 32].view(9, 4, 32)
-        with torch_ops_forced():
+        with forced_torch_ops():
             expected = norm(q)
         _assert_close(_kernels().rms_norm_triton(q, norm.weight, norm.eps), expected, device)
 
@@ -75,7 +76,7 @@ def check_rms_norm_adds_the_residual_in_place(device):
         norm = _norm(96, device, dtype)
         x = _randn(21, 96, device=device, dtype=dtype, scale=3.0, seed=3)
         residual = _randn(21, 96, device=device, dtype=dtype, seed=4)
-        with torch_ops_forced():
+        with forced_torch_ops():
             expected, expected_residual = norm(x, residual)
         residual_before = residual.clone()
         out, new_residual = _kernels().rms_norm_triton(x, norm.weight, norm.eps, residual)
@@ -115,7 +116,7 @@ def check_rotary_in_place(device):
                 num_tokens, num_kv_heads, head_dim)
             v_before = qkv[:, (num_heads + num_kv_heads) * head_dim:].clone()
             positions = torch.randint(0, 512, (num_tokens,), generator=torch.Generator().manual_seed(7)).to(device)
-            with torch_ops_forced():
+            with forced_torch_ops():
                 expected_q, expected_k = rope(positions, q, k)
             rotated_q, rotated_k = _kernels().rotary_triton(positions, q, k, rope.cos_sin_cache)
             assert rotated_q.data_ptr() == q.data_ptr() and rotated_k.data_ptr() == k.data_ptr()
@@ -160,7 +161,7 @@ def test_cuda_modules_dispatch_to_triton():
     norm = _norm(128, "cuda", dtype)
     x = _randn(8, 128, device="cuda", dtype=dtype, seed=8)
     residual = _randn(8, 128, device="cuda", dtype=dtype, seed=9)
-    with torch_ops_forced():
+    with forced_torch_ops():
         expected, expected_residual = norm(x, residual.clone())
     out, new_residual = norm(x, residual)
     assert new_residual.data_ptr() == residual.data_ptr()  # the fused kernel ran
@@ -172,7 +173,7 @@ def test_cuda_modules_dispatch_to_triton():
         for parameter in mlp.parameters():
             parameter.copy_(torch.randn_like(parameter) * 0.1)
         hidden = _randn(5, 64, device="cuda", dtype=dtype, seed=10)
-        with torch_ops_forced():
+        with forced_torch_ops():
             expected_mlp = mlp(hidden)
         # The down projection mixes 96 products: an ulp in one activation moves the sum a little.
         torch.testing.assert_close(mlp(hidden).float(), expected_mlp.float(), rtol=0.02,
@@ -182,7 +183,7 @@ def test_cuda_modules_dispatch_to_triton():
     q = _randn(4, 8, 32, device="cuda", dtype=dtype, seed=11)
     k = _randn(4, 2, 32, device="cuda", dtype=dtype, seed=12)
     positions = torch.arange(4, device="cuda")
-    with torch_ops_forced():
+    with forced_torch_ops():
         expected_q, expected_k = rope(positions, q, k)
     rotated_q, rotated_k = rope(positions, q, k)
     assert rotated_q.data_ptr() == q.data_ptr()  # rotated in place: the kernel ran

@@ -13,7 +13,8 @@ import os
 import pytest
 import torch
 
-from helpers_triton import run_interpreted, torch_ops_forced
+from helpers_triton import run_interpreted
+from weir.kernels.dispatch import forced_torch_ops
 from weir.sample import Sampler, build_sampling_metadata, ops
 from weir.sampling_params import SamplingParams
 
@@ -58,7 +59,7 @@ def _torch_filtered(logits, metadata):
 
 
 def _torch_tokens(logits, metadata):
-    with torch_ops_forced():
+    with forced_torch_ops():
         return Sampler().choose_tokens(logits, metadata)
 
 

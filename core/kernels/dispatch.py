@@ -7,6 +7,7 @@ compare speed. The check is per call (an environment lookup), so tests can flip 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -35,6 +36,20 @@ def use_triton(tensor: torch.Tensor) -> bool:
     if os.environ.get(DISABLE_ENV, "") == "1":
         return False
     return triton_importable()
+
+
+@contextlib.contextmanager
+def forced_torch_ops(forced: bool = True):
+    """Inside the block, every op runs its torch version (``forced``) or may use Triton (not)."""
+    previous = os.environ.get(DISABLE_ENV)
+    os.environ[DISABLE_ENV] = "1" if forced else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[DISABLE_ENV]
+        else:
+            os.environ[DISABLE_ENV] = previous
 
 
 @functools.cache

@@ -107,6 +107,6 @@ def profile_peak_bytes(runner) -> tuple[int, int]:
     warm_up_variants()
     logger.info("profiling run and kernel warm-up: %.1f s", time.perf_counter() - start)
     decode_peak = peak_of(lambda: dummy_forward(runner, [1] * runner.max_graph_batch, scratch))
-    del scratch
+    scratch.clear()  # free the scratch cache before the real one is sized
     torch.cuda.empty_cache()
     return step_peak, decode_peak

@@ -21,7 +21,7 @@ from weir.config import EngineConfig
 from weir.platform import Platform
 from weir.runner.async_output import AsyncOutput
 from weir.runner.cuda_graphs import CudaGraphRunner, default_capture_sizes
-from weir.runner.inputs import compute_slot_mapping, gather_block_tables, post_update, prepare_step_inputs
+from weir.runner.inputs import gather_block_tables_and_slot_mapping, post_update, prepare_step_inputs
 from weir.runner.memory import profile_peak_bytes
 from weir.runner.request_table import RequestTable
 from weir.runner.sampling import gather_sampling_metadata
@@ -160,8 +160,8 @@ class ModelRunner:
         qsl = host_to_device(query_start_loc, self.device, self.pin_memory)
         input_ids, positions, seq_lens = prepare_step_inputs(
             table.token_ids.gpu, table.num_computed_tokens.gpu, idx_mapping, qsl, num_tokens)
-        block_tables = gather_block_tables(table.block_table.gpu, idx_mapping)
-        slot_mapping = compute_slot_mapping(block_tables, qsl, positions, self.block_size)
+        block_tables, slot_mapping = gather_block_tables_and_slot_mapping(  # one launch for both
+            table.block_table.gpu, idx_mapping, qsl, positions, self.block_size)
         if graph_batch is not None:
             logits = self.graphs.replay(graph_batch, input_ids, positions, seq_lens, block_tables, slot_mapping)
         else:

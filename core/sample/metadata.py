@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from weir.runner.staged_write import host_to_device
 from weir.sampling_params import SamplingParams
 
 
@@ -53,11 +54,8 @@ class SamplingMetadata:
 
 
 def _to_device(values: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    host = torch.as_tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        # A pinned source lets the copy run asynchronously instead of blocking the host.
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+    # Pinned on CUDA, so the copy runs asynchronously instead of blocking the host.
+    return host_to_device(torch.as_tensor(values, dtype=dtype).numpy(), device, pin_memory=device.type == "cuda")
 
 
 def _as_int64(seed: int) -> int:

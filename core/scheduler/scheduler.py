@@ -54,9 +54,8 @@ class Scheduler:
     # ---- request lifecycle -------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        if self.kv_cache.blocks_for(request.num_tokens + 1) > self.kv_cache.pool.num_usable_blocks:
-            raise ValueError(f"request {request.request_id} needs {request.num_tokens + 1} tokens of KV "
-                             f"cache, more than the whole cache ({self.kv_cache.capacity_tokens} tokens)")
+        # Fits by construction: prompts are shorter than max_model_len, and the runner refuses a
+        # KV cache that cannot hold one max_model_len request.
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -153,8 +152,6 @@ class Scheduler:
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = num_hit_tokens
             num_scheduled[request.request_id] = num_new
             new_reqs.append(self._new_request_data(request))
             budget -= num_new
