@@ -8,10 +8,14 @@ they call ``Attention`` (``weir.layers.attention``), which calls the backend.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
+
+if TYPE_CHECKING:
+    from weir.linear_attention import LayerState, LinearAttentionBackend, LinearAttentionMetadata
+    from weir.moe import MoEBackend
 
 
 @dataclass(frozen=True)
@@ -93,8 +97,17 @@ class AttentionBackend(ABC):
 
 @dataclass
 class ForwardContext:
-    """Everything a model's layers need for one forward, passed explicitly (no globals)."""
+    """Everything a model's layers need for one forward, passed explicitly (no globals).
+
+    Full-attention layers use ``attn_backend`` with the paged ``kv_caches``; linear-attention
+    layers (hybrid models) use ``linear_attn_backend`` with their slot-indexed ``layer_states``;
+    MoE layers hand their experts to ``moe_backend``. Lists are indexed by ``layer_idx``.
+    """
 
     attn_backend: AttentionBackend
     attn_metadata: AttentionMetadata
-    kv_caches: list[torch.Tensor]  # indexed by layer_idx
+    kv_caches: list[torch.Tensor | None]
+    linear_attn_backend: LinearAttentionBackend | None = None
+    linear_attn_metadata: LinearAttentionMetadata | None = None
+    layer_states: list[LayerState | None] = field(default_factory=list)
+    moe_backend: MoEBackend | None = None

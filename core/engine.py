@@ -12,6 +12,7 @@ import gc
 import logging
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from weir.config import EngineArgs, EngineConfig
@@ -65,15 +66,24 @@ class _Parent:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, platform, model_cls: type, attn_backend_cls: type):
+    def __init__(self, config: EngineConfig, platform, model_cls: type,
+                 choose_attention_backends: Callable[[set[str]], dict[str, type]], moe_backend_cls: type):
+        """``choose_attention_backends(layer_kinds) -> {kind: backend class}`` runs once the model
+        has declared its layer kinds (``PluginRegistry.select_attention_backends``)."""
         self.config = config
         self.platform = platform
         self.model_config = config.model
         self.tokenizer = load_tokenizer(config.model)
         logger.info("tokenizer loaded")
-        self.runner = ModelRunner(config, platform, model_cls, attn_backend_cls)
-        kv_cache = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
-                                  config.cache.enable_prefix_caching)
+        self.runner = ModelRunner(config, platform, model_cls, choose_attention_backends, moe_backend_cls)
+        prefix_caching = config.cache.enable_prefix_caching
+        if prefix_caching and self.runner.state_layers:
+            # A recurrent state cannot be rebuilt from cached KV blocks: a prefix hit would skip
+            # the tokens the state needs. Until states are checkpointed per block, no hits.
+            logger.info("prefix caching is off: %s has linear-attention layers", config.model.architecture)
+            prefix_caching = False
+        kv_cache = KVCacheManager(self.runner.num_blocks, config.cache.block_size, prefix_caching,
+                                  num_state_slots=self.runner.num_state_slots)
         self.scheduler = Scheduler(config.scheduler, kv_cache)
         self._rng = random.Random(config.seed)
         self._in_flight: deque = deque()
@@ -97,10 +107,13 @@ class LLMEngine:
         platform = registry.select_platform(args.device)
         config = args.create_config(platform.device_type)
         model_cls = registry.resolve_model(config.model.architecture)
-        attn_backend_cls = registry.select_attention_backend(platform, {"full_attention"}, args.attention_backend)
-        logger.info("model %s (%s) on %s, attention backend %s", config.model.model,
-                    config.model.architecture, platform.name, attn_backend_cls.name)
-        return cls(config, platform, model_cls, attn_backend_cls)
+        moe_backend_cls = registry.select_moe_backend(platform, args.moe_backend)
+        logger.info("model %s (%s) on %s", config.model.model, config.model.architecture, platform.name)
+
+        def choose_attention_backends(layer_kinds: set[str]) -> dict[str, type]:
+            return registry.select_attention_backends(platform, layer_kinds, args.attention_backend)
+
+        return cls(config, platform, model_cls, choose_attention_backends, moe_backend_cls)
 
     # ---- requests ----------------------------------------------------------------------
 

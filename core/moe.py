@@ -59,6 +59,8 @@ class MoEBackend(ABC):
 
     name: ClassVar[str]
     supported_devices: ClassVar[frozenset[str]]
+    # No host reads of device values and launch grids fixed by the token count: capturable.
+    supports_cuda_graphs: ClassVar[bool] = False
 
     @classmethod
     def supports(cls, device_type: str) -> bool:

@@ -27,6 +27,7 @@ from weir.hookspecs import (
 )
 from weir import selection
 from weir.attention import AttentionBackend
+from weir.linear_attention import LinearAttentionBackend
 from weir.moe import MoEBackend
 from weir.platform import Platform
 
@@ -72,7 +73,8 @@ _HOOK_KINDS = {
 
 
 # The base class each kind's targets must subclass (models have no common base).
-_INTERFACES = {"attention_backends": AttentionBackend, "moe_backends": MoEBackend, "platforms": Platform}
+_INTERFACES = {"attention_backends": (AttentionBackend, LinearAttentionBackend), "moe_backends": MoEBackend,
+               "platforms": Platform}
 
 
 class PluginRegistry:
@@ -153,12 +155,13 @@ class PluginRegistry:
             known = ", ".join(sorted(table)) or "(none registered)"
             raise ValueError(f"unknown {label} {key!r}; known: {known}")
         target_cls = import_target(table[key])
-        base = _INTERFACES.get(attribute)
-        if base is not None and not (isinstance(target_cls, type) and issubclass(target_cls, base)):
+        bases = _INTERFACES.get(attribute)
+        if bases is not None and not (isinstance(target_cls, type) and issubclass(target_cls, bases)):
             registered = table[key]
+            names = " or ".join(f"{b.__module__}.{b.__name__}" for b in (bases if isinstance(bases, tuple) else (bases,)))
             raise PluginError(
                 f"plugin {registered.plugin_name!r} (package {registered.distribution}): target "
-                f"{registered.spec.target!r} is not a subclass of {base.__module__}.{base.__name__}"
+                f"{registered.spec.target!r} is not a subclass of {names}"
             )
         return target_cls
 
@@ -173,6 +176,12 @@ class PluginRegistry:
     ) -> type:
         """``requested`` if it fits, else the platform's first preferred backend that fits."""
         return selection.select_attention_backend(self, platform, layer_kinds, requested)
+
+    def select_attention_backends(
+        self, platform: Platform, layer_kinds: set[str], requested: str | None = None
+    ) -> dict[str, type]:
+        """A backend for each layer kind: ``requested`` where it fits, the platform's defaults elsewhere."""
+        return selection.select_attention_backends(self, platform, layer_kinds, requested)
 
     def select_moe_backend(self, platform: Platform, requested: str | None = None) -> type:
         """``requested`` if it supports the platform, else the first preferred one that does."""

@@ -43,6 +43,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
     block_hashes: list[bytes] = field(default_factory=list)
+    state_slot: int | None = None  # linear-attention state slot while running (hybrid models)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -49,12 +49,36 @@ def select_attention_backend(
         unsupported_kinds = set(layer_kinds) - set(backend_cls.supported_layer_kinds)
         if unsupported_kinds:
             problems.append(f"layer kinds {sorted(unsupported_kinds)}")
+        unavailable = getattr(backend_cls, "unavailable_reason", lambda: None)()
+        if unavailable:
+            problems.append(f"this environment ({unavailable})")
         return problems
 
     return _select(
         "attention backend", registry.attention_backends, registry.resolve_attention_backend,
         platform.preferred_attention_backends, requested, missing, platform,
     )
+
+
+def select_attention_backends(
+    registry: "PluginRegistry", platform: Platform, layer_kinds: set[str], requested: str | None
+) -> dict[str, type]:
+    """One backend per layer kind (a hybrid model mixes paged and linear attention).
+
+    ``requested`` serves every kind it supports; the others get the platform's defaults. A
+    requested backend that serves none of the model's kinds is an error.
+    """
+    if requested is not None:
+        requested_cls = registry.resolve_attention_backend(requested)
+        served = {kind for kind in layer_kinds if kind in requested_cls.supported_layer_kinds}
+        if not served:  # raises, naming what the requested backend lacks
+            select_attention_backend(registry, platform, layer_kinds, requested)
+        select_attention_backend(registry, platform, served, requested)  # device check
+    chosen = {}
+    for kind in sorted(layer_kinds):
+        use_requested = requested is not None and kind in requested_cls.supported_layer_kinds
+        chosen[kind] = select_attention_backend(registry, platform, {kind}, requested if use_requested else None)
+    return chosen
 
 
 def select_moe_backend(registry: "PluginRegistry", platform: Platform, requested: str | None) -> type:

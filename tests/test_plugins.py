@@ -109,7 +109,7 @@ def test_weir_plugins_env_filters_entry_points(monkeypatch):
     monkeypatch.setenv("WEIR_PLUGINS", " builtin_platforms ,builtin_moe_backends")
     registry = load_plugins()
     assert set(registry.platforms) == {"cpu", "cuda", "rocm", "xpu"}
-    assert set(registry.moe_backends) == {"torch"}
+    assert set(registry.moe_backends) == {"torch", "triton"}
     assert registry.attention_backends == {} and registry.models == {}
     # The broken plugin is never imported when WEIR_PLUGINS leaves it out.
     monkeypatch.syspath_prepend(str(BROKEN_PLUGIN_DIR))
@@ -155,8 +155,28 @@ def test_attention_backend_selection():
         registry.select_attention_backend(platform, {"linear_attention"}, "torch")
     with pytest.raises(ValueError, match="no attention backend fits platform 'cpu'"):
         registry.select_attention_backend(platform, {"linear_attention"}, None)
-    with pytest.raises(ValueError, match="unknown attention backend 'flash'; known: torch"):
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'; known: gdn_fla, gdn_torch, torch, triton"):
         registry.select_attention_backend(platform, {"full_attention"}, "flash")
+
+
+def test_hybrid_models_get_one_backend_per_layer_kind():
+    from weir.plugins.attention.gdn_torch import TorchGDNBackend
+    from weir.plugins.platforms.cuda import CudaPlatform
+
+    registry = _cpu_registry()
+    kinds = {"full_attention", "gated_delta_net"}
+    cpu = registry.select_platform("cpu")
+    expected = {"full_attention": TorchAttentionBackend, "gated_delta_net": TorchGDNBackend}
+    assert registry.select_attention_backends(cpu, kinds) == expected
+    # A requested backend serves the kinds it supports; the others keep the platform's default.
+    assert registry.select_attention_backends(cpu, kinds, "gdn_torch") == expected
+    with pytest.raises(ValueError, match="'triton' does not support device type 'cpu'"):
+        registry.select_attention_backends(cpu, kinds, "triton")
+    # fla is not installed here: CUDA falls back to the torch DeltaNet, saying why it skipped fla.
+    chosen = registry.select_attention_backends(CudaPlatform(), kinds)
+    assert chosen["gated_delta_net"] is TorchGDNBackend
+    with pytest.raises(ValueError, match="gdn_fla.*does not support this environment"):
+        registry.select_attention_backends(CudaPlatform(), {"gated_delta_net"}, "gdn_fla")
 
 
 def test_backend_selection_checks_device_type():

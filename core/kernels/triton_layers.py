@@ -23,7 +23,7 @@ def _rms_norm_kernel(
     weight_ptr,  # [hidden]
     out_ptr,  # [num_rows, hidden], contiguous
     num_rows, num_inner, hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     cols = tl.arange(0, BLOCK)  # [BLOCK]
@@ -37,9 +37,12 @@ def _rms_norm_kernel(
         tl.store(residual_ptr + residual_offsets, x, mask=mask)
     x_fp32 = x.to(tl.float32)
     variance = tl.math.div_rn(tl.sum(x_fp32 * x_fp32, axis=1), hidden.to(tl.float32))  # [ROWS]
-    normed = (x_fp32 * tl.math.rsqrt(variance + eps)[:, None]).to(x_ptr.dtype.element_ty)
     weight = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
-    out = weight[None, :] * normed.to(tl.float32)
+    if ZERO_CENTERED:  # Qwen3-Next: (1 + w) * x_hat, all in fp32, one rounding at the end
+        out = (x_fp32 * tl.math.rsqrt(variance + eps)[:, None]) * (1.0 + weight[None, :])
+    else:
+        normed = (x_fp32 * tl.math.rsqrt(variance + eps)[:, None]).to(x_ptr.dtype.element_ty)
+        out = weight[None, :] * normed.to(tl.float32)
     tl.store(out_ptr + rows[:, None] * hidden + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -48,14 +51,17 @@ def rms_norm_triton(
     weight: torch.Tensor,  # [hidden]
     eps: float,
     residual: torch.Tensor | None = None,  # [num_tokens, hidden], contiguous rows, x's dtype
+    zero_centered: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``RMSNorm.forward``; with ``residual``, ``residual`` becomes ``residual + x`` in place."""
+    """``RMSNorm.forward`` (``ZeroCenteredRMSNorm.forward`` when ``zero_centered``); with
+    ``residual``, ``residual`` becomes ``residual + x`` in place."""
     hidden = x.shape[-1]
     num_inner = x.shape[1] if x.dim() == 3 else 1
     num_rows = x.numel() // hidden
     stride_outer = x.stride(0)
     stride_inner = x.stride(1) if x.dim() == 3 else 0
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    out_dtype = x.dtype if zero_centered else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     block = triton.next_power_of_2(hidden)
     rows_per_program = max(1, min(64, 4096 // block))
     tile = rows_per_program * block
@@ -63,7 +69,7 @@ def rms_norm_triton(
         x, stride_outer, stride_inner,
         residual if residual is not None else x, residual.stride(0) if residual is not None else 0,
         weight, out, num_rows, num_inner, hidden, eps,
-        HAS_RESIDUAL=residual is not None, ROWS=rows_per_program, BLOCK=block,
+        HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered, ROWS=rows_per_program, BLOCK=block,
         num_warps=4 if tile <= 2048 else 8 if tile <= 8192 else 16,
     )
     return out if residual is None else (out, residual)

@@ -1,19 +1,25 @@
-"""Maps requests onto KV blocks: prefix-cache lookups, slot allocation, freeing."""
+"""Maps requests onto KV blocks (prefix-cache lookups, slot allocation, freeing) and, for
+hybrid models, onto linear-attention state slots."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from weir.kv_cache.block_pool import BlockPool
+from weir.kv_cache.state_slots import StateSlotPool
 
 if TYPE_CHECKING:  # the request module imports the block pool's hashing
     from weir.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 num_state_slots: int = 0):
+        """``num_state_slots`` > 0: the model has linear-attention layers, and every running
+        request also holds one state slot (taken at admission, given back when it stops running)."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.state_slots = StateSlotPool(num_state_slots) if num_state_slots > 0 else None
 
     @property
     def capacity_tokens(self) -> int:
@@ -47,7 +53,10 @@ class KVCacheManager:
         ``computed_blocks``). Returns the block ids appended to its table, or None when the
         pool cannot hold them (nothing changes then)."""
         num_tokens_after_step = request.num_computed_tokens + num_new_tokens
-        if not computed_blocks and len(request.block_ids) * self.block_size >= num_tokens_after_step:
+        needs_state_slot = self.state_slots is not None and request.state_slot is None
+        if needs_state_slot and self.state_slots.num_free == 0:
+            return None
+        if not computed_blocks and not needs_state_slot and len(request.block_ids) * self.block_size >= num_tokens_after_step:
             # Decode's common case: the last block has room; at most a newly full block to cache.
             self._cache_full_blocks(request, num_tokens_after_step)
             return []
@@ -62,6 +71,8 @@ class KVCacheManager:
         self.pool.touch(computed_blocks)
         new_blocks = computed_blocks + self.pool.allocate(num_new_blocks)
         request.block_ids.extend(new_blocks)
+        if needs_state_slot:
+            request.state_slot = self.state_slots.allocate()
         self._cache_full_blocks(request, num_computed + num_new_tokens)
         return new_blocks
 
@@ -82,3 +93,6 @@ class KVCacheManager:
         self.pool.free(request.block_ids)
         request.block_ids = []
         request.num_cached_blocks = 0
+        if request.state_slot is not None:
+            self.state_slots.free(request.state_slot)
+            request.state_slot = None

@@ -1,4 +1,4 @@
-"""RMSNorm with Hugging Face semantics, optionally fused with the residual add.
+"""RMSNorm flavours with Hugging Face semantics, optionally fused with the residual add.
 
 On CUDA one Triton kernel (``weir.kernels.triton_layers``) does the add and the norm; elsewhere,
 or with ``WEIR_DISABLE_TRITON=1``, the torch code below runs and stays the reference.
@@ -57,6 +57,54 @@ class RMSNorm(nn.Module):
             return self._normalize(x)
         summed = residual + x  # [..., hidden]
         return self._normalize(summed), summed
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """``((1 + w) * x / rms(x))``, all in fp32, cast once at the end (``Qwen3NextRMSNorm``).
+
+    The weight is stored zero-centred (a checkpoint's zeros mean identity); unlike the Llama
+    flavour, the normalised value is not rounded before the weight multiplies.
+    """
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
+        x_fp32 = x.float()
+        variance = x_fp32.pow(2).mean(-1, keepdim=True)
+        return (x_fp32 * torch.rsqrt(variance + self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """As ``RMSNorm.forward`` (same residual contract), with the zero-centred weight."""
+        if use_triton(x) and _kernel_fits(x, residual):
+            return triton_module("triton_layers").rms_norm_triton(x, self.weight, self.eps, residual,
+                                                                  zero_centered=True)
+        if residual is None:
+            return self._normalize(x)
+        summed = residual + x  # [..., hidden]
+        return self._normalize(summed), summed
+
+
+class GatedRMSNorm(nn.Module):
+    """Norm, then gate: ``(w * (x / rms(x)).to(dtype)) * silu(z)`` per row (``Qwen3NextRMSNormGated``).
+
+    The weight is a plain (not zero-centred) scale; the gate product runs in fp32 and is cast
+    back to x's dtype once.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        # x, gate: [..., hidden]
+        x_fp32 = x.float()
+        variance = x_fp32.pow(2).mean(-1, keepdim=True)
+        normed = self.weight * (x_fp32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
+        return (normed * torch.nn.functional.silu(gate.float())).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -3,7 +3,7 @@
 A decode batch of ``num_reqs`` requests (one query token each) is padded to the next captured
 size and replayed from a graph that holds the whole model forward plus the logits. Padding
 requests point at the request table's spare row, whose block table is all null block, so
-they read and write only the null block. Graphs are captured largest first into one memory
+they read and write only the null block (and, in hybrid models, only the padding state slot). Graphs are captured largest first into one memory
 pool (smaller batches reuse the larger ones' memory); the pool's size is measured, not guessed.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weir.attention import AttentionMetadata, ForwardContext
+from weir.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -35,16 +35,17 @@ class _StaticInputs:
     query_start_loc: torch.Tensor  # [max_bs + 1] int32
     block_tables: torch.Tensor  # [max_bs, max_blocks_per_req] int32
     slot_mapping: torch.Tensor  # [max_bs] int64
+    state_indices: torch.Tensor | None  # [max_bs] int32, hybrid models only
 
 
 class CudaGraphRunner:
-    def __init__(self, model, attn_backend, kv_caches, capture_sizes: list[int], max_blocks_per_req: int,
-                 max_model_len: int, device: torch.device):
-        self.model = model
-        self.attn_backend = attn_backend
-        self.kv_caches = kv_caches
+    def __init__(self, runner, capture_sizes: list[int]):
+        """``runner``: the ModelRunner whose model, caches and backends the graphs capture."""
+        self.runner = runner
+        self.model = runner.model
         self.capture_sizes = sorted(capture_sizes)
-        self.max_model_len = max_model_len
+        self.max_model_len = runner.config.scheduler.max_model_len
+        max_blocks_per_req, device = runner.max_blocks_per_req, runner.device
         max_bs = self.capture_sizes[-1]
         self.static = _StaticInputs(
             input_ids=torch.zeros(max_bs, dtype=torch.int64, device=device),
@@ -53,6 +54,8 @@ class CudaGraphRunner:
             query_start_loc=torch.arange(max_bs + 1, dtype=torch.int32, device=device),
             block_tables=torch.zeros(max_bs, max_blocks_per_req, dtype=torch.int32, device=device),
             slot_mapping=torch.zeros(max_bs, dtype=torch.int64, device=device),
+            state_indices=(torch.full((max_bs,), runner.num_state_slots, dtype=torch.int32, device=device)
+                           if runner.state_layers else None),
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -62,16 +65,15 @@ class CudaGraphRunner:
         index = bisect.bisect_left(self.capture_sizes, num_reqs)
         return self.capture_sizes[index] if index < len(self.capture_sizes) else None
 
-    def _metadata(self, batch_size: int) -> AttentionMetadata:
+    def _forward(self, batch_size: int) -> torch.Tensor:
         s = self.static
-        return self.attn_backend.build_metadata(AttentionMetadata(
+        metadata = AttentionMetadata(
             query_start_loc=s.query_start_loc[: batch_size + 1], seq_lens=s.seq_lens[:batch_size],
             block_tables=s.block_tables[:batch_size], slot_mapping=s.slot_mapping[:batch_size],
             num_reqs=batch_size, num_tokens=batch_size, max_query_len=1, max_seq_len=self.max_model_len,
-        ))
-
-    def _forward(self, batch_size: int) -> torch.Tensor:
-        ctx = ForwardContext(self.attn_backend, self._metadata(batch_size), self.kv_caches)
+        )
+        state_indices = s.state_indices[:batch_size] if s.state_indices is not None else None
+        ctx = self.runner.forward_context(metadata, self.runner.kv_caches, state_indices)
         hidden = self.model(self.static.input_ids[:batch_size], self.static.positions[:batch_size], ctx)
         return self.model.compute_logits(hidden)  # [batch_size, vocab]
 
@@ -93,9 +95,12 @@ class CudaGraphRunner:
                     len(self.graphs), self.capture_sizes[-1], time.perf_counter() - start,
                     self.pool_bytes / 2**30)
 
-    def replay(self, batch_size: int, input_ids, positions, seq_lens, block_tables, slot_mapping) -> torch.Tensor:
+    def replay(self, batch_size: int, input_ids, positions, seq_lens, block_tables, slot_mapping,
+               state_indices=None) -> torch.Tensor:
         """Inputs are already padded to ``batch_size``; returns logits [batch_size, vocab]."""
         s = self.static
+        if state_indices is not None:
+            s.state_indices[:batch_size].copy_(state_indices)
         s.input_ids[:batch_size].copy_(input_ids)
         s.positions[:batch_size].copy_(positions)
         s.seq_lens[:batch_size].copy_(seq_lens)

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import torch
 
-from weir.attention import AttentionMetadata, ForwardContext
+from weir.attention import AttentionMetadata
 from weir.sample.metadata import build_sampling_metadata
 from weir.sampling_params import SamplingParams
 
@@ -38,16 +38,18 @@ def dummy_forward(runner, query_lens: list[int], kv_caches) -> torch.Tensor:
     np.cumsum(query_lens, out=qsl[1:])
     positions = np.concatenate([np.arange(n) for n in query_lens])
     max_blocks = math.ceil(max(query_lens) / block_size)
-    metadata = runner.attn_backend.build_metadata(AttentionMetadata(
+    metadata = AttentionMetadata(
         query_start_loc=torch.from_numpy(qsl).to(device),
         seq_lens=torch.tensor(query_lens, dtype=torch.int32, device=device),
         block_tables=torch.zeros(len(query_lens), max_blocks, dtype=torch.int32, device=device),
         slot_mapping=torch.from_numpy(positions % block_size).to(device),
         num_reqs=len(query_lens), num_tokens=num_tokens, max_query_len=max(query_lens),
         max_seq_len=max(query_lens),
-    ))
+    )
     input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
-    ctx = ForwardContext(runner.attn_backend, metadata, kv_caches)
+    # Hybrid models: every fake request uses the padding state slot (garbage state is fine there).
+    state_indices = torch.full((len(query_lens),), runner.num_state_slots, dtype=torch.int32, device=device)
+    ctx = runner.forward_context(metadata, kv_caches, state_indices, torch.from_numpy(qsl))
     hidden = runner.model(input_ids, torch.from_numpy(positions).to(device), ctx)
     return runner.model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1])
 

@@ -5,6 +5,9 @@ sends only the scheduler's diff, the batch's ``idx_mapping`` (batch position -> 
 and ``query_start_loc``. Inputs are gathered on the device, sampled tokens are written back
 into the table on the device, and results come back through an ``AsyncOutput``. Nothing in
 ``execute`` reads a device value on the host. Decode-only batches replay CUDA graphs.
+
+Hybrid models also declare linear-attention layers (``state_layers()``): each gets slot-indexed
+state tensors (``weir.linear_attention``); a request's slot is zeroed when it is admitted.
 """
 
 from __future__ import annotations
@@ -12,12 +15,15 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from weir.attention import AttentionBackend, AttentionMetadata, ForwardContext
+from weir.attention import AttentionMetadata, ForwardContext
 from weir.config import EngineConfig
+from weir.layers.moe import FusedExperts
+from weir.linear_attention import LayerState, LinearAttentionMetadata
 from weir.platform import Platform
 from weir.runner.async_output import AsyncOutput
 from weir.runner.cuda_graphs import CudaGraphRunner, default_capture_sizes
@@ -37,7 +43,9 @@ GiB = 2**30
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, platform: Platform, model_cls: type,
-                 attn_backend_cls: type[AttentionBackend]):
+                 choose_attention_backends: Callable[[set[str]], dict[str, type]], moe_backend_cls: type):
+        """``choose_attention_backends(layer_kinds)`` maps each layer kind the model declares to
+        a backend class (``PluginRegistry.select_attention_backends``)."""
         self.config = config
         self.platform = platform
         self.device = platform.device()
@@ -53,13 +61,32 @@ class ModelRunner:
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         logger.info("weights: %.2f GiB loaded in %.1f s", self.weight_bytes / GiB, time.perf_counter() - start)
         self.attn_layers = self.model.attention_layers()
-        self.attn_backend = attn_backend_cls(self.block_size, self.dtype, self.device)
+        self.state_layers = list(getattr(self.model, "state_layers", list)())
+        if not self.attn_layers:
+            raise ValueError(f"{model_cls.__name__} declares no full-attention layers; Weir's runner needs at least one")
+        backends = choose_attention_backends({layer.kind for layer in self.attn_layers + self.state_layers})
+        self.attn_backend = backends[self.attn_layers[0].kind](self.block_size, self.dtype, self.device)
+        self.linear_attn_backend = None
+        if self.state_layers:
+            state_kinds = {layer.kind for layer in self.state_layers}
+            if len(state_kinds) > 1:
+                raise ValueError(f"mixed linear-attention kinds {sorted(state_kinds)} are not supported")
+            self.linear_attn_backend = backends[state_kinds.pop()](self.dtype, self.device)
+        self.moe_backend = moe_backend_cls()
+        uses_moe = any(isinstance(module, FusedExperts) for module in self.model.modules())
+        logger.info("backends: attention %s", ", ".join(f"{kind}={cls.name}" for kind, cls in backends.items())
+                    + (f"; MoE {moe_backend_cls.name}" if uses_moe else ""))
         self.sampler = Sampler()
-        self.kv_caches: list[torch.Tensor | None] = [None] * (max(l.layer_idx for l in self.attn_layers) + 1)
+        num_layers = max(l.layer_idx for l in self.attn_layers + self.state_layers) + 1
+        self.kv_caches: list[torch.Tensor | None] = [None] * num_layers
+        self.layer_states: list[LayerState | None] = [None] * num_layers
 
-        self.use_graphs = (platform.supports_graphs and attn_backend_cls.supports_cuda_graphs
+        self.use_graphs = (platform.supports_graphs and self.attn_backend.supports_cuda_graphs
+                           and (self.linear_attn_backend is None or self.linear_attn_backend.supports_cuda_graphs)
+                           and (not uses_moe or self.moe_backend.supports_cuda_graphs)
                            and not config.enforce_eager and self.device.type == "cuda")
         self.max_graph_batch = min(config.scheduler.max_num_seqs, 512)
+        self.num_state_slots = self._allocate_layer_states()
         self.num_blocks = self._num_kv_blocks()
         for layer in self.attn_layers:
             shape = self.attn_backend.kv_cache_shape(self.num_blocks, layer)
@@ -69,15 +96,62 @@ class ModelRunner:
             max_num_reqs=config.scheduler.max_num_seqs, max_model_len=max_model_len,
             max_blocks_per_req=self.max_blocks_per_req, vocab_size=model_config.vocab_size,
             device=self.device, pin_memory=self.pin_memory,
+            padding_state_slot=self.num_state_slots if self.state_layers else None,
         )
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.graphs = None
         if self.use_graphs:
-            self.graphs = CudaGraphRunner(
-                self.model, self.attn_backend, self.kv_caches,
-                default_capture_sizes(config.scheduler.max_num_seqs), self.max_blocks_per_req,
-                max_model_len, self.device)
+            self.graphs = CudaGraphRunner(self, default_capture_sizes(config.scheduler.max_num_seqs))
             self.graphs.capture()
+
+    def forward_context(self, attn_metadata: AttentionMetadata, kv_caches: list,
+                        state_indices: torch.Tensor | None = None,
+                        query_start_loc_cpu: torch.Tensor | None = None) -> ForwardContext:
+        """The context of one forward; ``state_indices [num_reqs]`` int32 for hybrid models."""
+        linear_metadata = None
+        if self.linear_attn_backend is not None:
+            linear_metadata = self.linear_attn_backend.build_metadata(LinearAttentionMetadata(
+                query_start_loc=attn_metadata.query_start_loc, state_indices=state_indices,
+                num_reqs=attn_metadata.num_reqs, num_tokens=attn_metadata.num_tokens,
+                max_query_len=attn_metadata.max_query_len, query_start_loc_cpu=query_start_loc_cpu))
+        return ForwardContext(self.attn_backend, self.attn_backend.build_metadata(attn_metadata), kv_caches,
+                              self.linear_attn_backend, linear_metadata, self.layer_states, self.moe_backend)
+
+    # ---- linear-attention state ----------------------------------------------------------
+
+    def _allocate_layer_states(self) -> int:
+        """Allocate every linear-attention layer's slot-indexed state; returns the slot count.
+
+        One slot per schedulable request (``max_num_seqs``), unless that would take more than
+        half of the memory left after the weights; then as many as fit in that half.
+        """
+        if not self.state_layers:
+            return 0
+        bytes_per_slot = sum(self.linear_attn_backend.state_bytes_per_slot(layer, self.dtype)
+                             for layer in self.state_layers)
+        if self.device.type == "cpu":
+            room = self.platform.default_kv_cache_bytes(self.weight_bytes)
+        else:
+            free, total = self.platform.memory_info()
+            room = int(total * self.config.cache.gpu_memory_utilization) - (total - free)
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        num_slots = max(1, min(max_num_seqs, (room // 2) // bytes_per_slot - 1))
+        if num_slots < max_num_seqs:
+            logger.warning("linear-attention state for %d requests would not fit: %d state slots, so at most %d "
+                           "requests run at once", max_num_seqs, num_slots, num_slots)
+        for layer in self.state_layers:
+            self.layer_states[layer.layer_idx] = self.linear_attn_backend.allocate_state(num_slots, layer)
+        logger.info("linear-attention state: %d slots x %.1f MiB = %.2f GiB", num_slots, bytes_per_slot / 2**20,
+                    (num_slots + 1) * bytes_per_slot / GiB)
+        return num_slots
+
+    def _zero_new_slots(self, out: SchedulerOutput) -> None:
+        slots = [new.state_slot for new in out.new_reqs if new.state_slot is not None]
+        if not slots or not self.state_layers:
+            return
+        slot_ids = host_to_device(np.asarray(slots, dtype=np.int64), self.device, self.pin_memory)
+        for layer in self.state_layers:
+            self.layer_states[layer.layer_idx].zero_slots(slot_ids)
 
     # ---- KV cache sizing ---------------------------------------------------------------
 
@@ -131,6 +205,7 @@ class ModelRunner:
         for req_id, block_ids in zip(out.cached_reqs.req_ids, out.cached_reqs.new_block_ids):
             self.table.append_blocks(req_id, block_ids)
         self.table.apply_staged_writes()
+        self._zero_new_slots(out)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> AsyncOutput | None:
@@ -162,14 +237,17 @@ class ModelRunner:
             table.token_ids.gpu, table.num_computed_tokens.gpu, idx_mapping, qsl, num_tokens)
         block_tables, slot_mapping = gather_block_tables_and_slot_mapping(  # one launch for both
             table.block_table.gpu, idx_mapping, qsl, positions, self.block_size)
+        state_indices = table.state_slot.gpu[idx_mapping] if self.state_layers else None  # [batch] int32
         if graph_batch is not None:
-            logits = self.graphs.replay(graph_batch, input_ids, positions, seq_lens, block_tables, slot_mapping)
+            logits = self.graphs.replay(graph_batch, input_ids, positions, seq_lens, block_tables, slot_mapping,
+                                        state_indices)
         else:
-            metadata = self.attn_backend.build_metadata(AttentionMetadata(
+            metadata = AttentionMetadata(
                 query_start_loc=qsl, seq_lens=seq_lens, block_tables=block_tables, slot_mapping=slot_mapping,
                 num_reqs=batch, num_tokens=num_tokens, max_query_len=max_query_len, max_seq_len=max_seq_len,
-            ))
-            hidden = self.model(input_ids, positions, ForwardContext(self.attn_backend, metadata, self.kv_caches))
+            )
+            ctx = self.forward_context(metadata, self.kv_caches, state_indices, torch.from_numpy(query_start_loc))
+            hidden = self.model(input_ids, positions, ctx)
             logits = self.model.compute_logits(hidden[qsl[1:].long() - 1])  # [B, V]
         logits = logits[:num_reqs]  # the model's dtype: the sampler upcasts only where it must
 

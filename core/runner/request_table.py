@@ -18,7 +18,9 @@ from weir.scheduler.output import NewRequestData
 
 class RequestTable:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, vocab_size: int,
-                 device: torch.device, pin_memory: bool):
+                 device: torch.device, pin_memory: bool, padding_state_slot: int | None = None):
+        """``padding_state_slot``: hybrid models' spare state slot (rows hold their request's
+        linear-attention slot, the padding row this one); None for models without such state."""
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         self.device = device
@@ -46,6 +48,9 @@ class RequestTable:
         self.presence_penalty = staged((R,), torch.float32)
         self.frequency_penalty = staged((R,), torch.float32)
         self.repetition_penalty = staged((R,), torch.float32, 1.0)
+        self.padding_state_slot = padding_state_slot
+        if padding_state_slot is not None:
+            self.state_slot = staged((R,), torch.int32, padding_state_slot)
         self._staged = [v for v in vars(self).values() if isinstance(v, StagedWriteTensor)]
 
         # Penalty state is [rows, vocab]: allocated only once a request uses penalties.
@@ -74,6 +79,10 @@ class RequestTable:
         self.num_computed_tokens.stage(row, new.num_computed_tokens)
         self.num_prompt_tokens.stage(row, new.num_prompt_tokens)
         self.block_table.stage(row, new.block_ids)
+        if self.padding_state_slot is not None:
+            if new.state_slot is None:
+                raise ValueError(f"request {new.req_id!r} has no linear-attention state slot")
+            self.state_slot.stage(row, new.state_slot)
         self.num_computed_host[row] = new.num_computed_tokens
         self.num_blocks_host[row] = len(new.block_ids)
         # The sampler's contract: greedy rows (temperature 0 or top_k 1) carry temperature 0.

@@ -19,6 +19,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     seed: int
     stop_token_ids: tuple[int, ...]  # EOS and the request's stop ids, banned while under min_tokens
+    state_slot: int | None = None  # linear-attention state slot (hybrid models), zeroed on admission
 
 
 @dataclass

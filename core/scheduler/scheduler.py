@@ -182,6 +182,7 @@ class Scheduler:
             num_prompt_tokens=request.num_prompt_tokens, block_ids=list(request.block_ids),
             num_computed_tokens=request.num_computed_tokens, sampling_params=params, seed=request.seed,
             stop_token_ids=tuple(request.eos_token_ids) + tuple(params.stop_token_ids),
+            state_slot=request.state_slot,
         )
 
     # ---- results -----------------------------------------------------------------------

@@ -1,9 +1,12 @@
 """Build a model on the meta device, materialise it, and stream checkpoint tensors into it.
 
 Checkpoint names map onto parameter names one to one, except for fused projections, which a
-model declares in ``stacked_params`` (see ``weir.model_interface``). Every parameter (every shard
-of a fused one) must be written exactly once; anything missing, duplicated, unexpected or of the
-wrong shape is an error naming the checkpoint tensors concerned.
+model declares in ``stacked_params``, and per-expert tensors stacked into one expert parameter,
+declared as regex rules in ``stacked_param_patterns`` (see ``weir.model_interface``). Every
+parameter (every shard of a fused one) must be written exactly once; anything missing,
+duplicated, unexpected or of the wrong shape is an error naming the checkpoint tensors concerned.
+A sharded parameter may also arrive whole (transformers' fused expert layout), which writes every
+shard. After loading, modules may rearrange their weights (``process_weights_after_loading``).
 
 With ``load_format="dummy"`` the checkpoint is not read at all: the materialised parameters are
 filled with random values in place on the device (``weir.weights.dummy``).
@@ -54,21 +57,35 @@ def _retie(model: nn.Module, aliases: dict[str, str]) -> None:
         setattr(alias_owner, alias_attr, getattr(owner, attr))
 
 
+def _shard_ids_of(owner: nn.Module, attr: str) -> tuple[str, ...]:
+    """Shards of ``owner.attr``: per parameter (``param_shard_ids``) or shared (``shard_ids``)."""
+    per_param = getattr(owner, "param_shard_ids", None)
+    if callable(per_param):
+        return tuple(per_param(attr))
+    return tuple(getattr(owner, "shard_ids", ()))
+
+
 class _CheckpointMapper:
     def __init__(self, model: nn.Module, model_cls: type):
         self.stacked = tuple(getattr(model_cls, "stacked_params", ()))
+        self.patterns = [(re.compile(pattern), param, shard)
+                         for pattern, param, shard in getattr(model_cls, "stacked_param_patterns", ())]
         self.ignored = [re.compile(p) for p in getattr(model, "ignored_checkpoint_patterns", ())]
         self.aliases = _tied_aliases(model)
         self.targets: dict[str, _ParamTarget] = {}
         for name, param in model.named_parameters():
-            owner, _ = _owner_and_attr(model, name)
-            shard_ids = tuple(getattr(owner, "shard_ids", ())) or (None,)
-            self.targets[name] = _ParamTarget(param, shard_ids)
+            owner, attr = _owner_and_attr(model, name)
+            self.targets[name] = _ParamTarget(param, _shard_ids_of(owner, attr) or (None,))
 
     def map(self, checkpoint_name: str) -> tuple[str, str | None] | None:
         """(param name, shard id) for a checkpoint name; None when it is to be skipped."""
         if checkpoint_name in self.aliases or any(p.search(checkpoint_name) for p in self.ignored):
             return None
+        for pattern, param_template, shard_template in self.patterns:
+            match = pattern.search(checkpoint_name)
+            if match:
+                param_name = checkpoint_name[: match.start()] + match.expand(param_template)
+                return param_name, match.expand(shard_template)
         for fused, original, shard_id in self.stacked:
             part = f".{original}."
             if part in f".{checkpoint_name}":
@@ -76,6 +93,8 @@ class _CheckpointMapper:
         return checkpoint_name, None
 
     def checkpoint_name(self, param_name: str, shard_id: str | None) -> str:
+        if self.patterns and shard_id is not None and not any(s == shard_id for *_, s in self.stacked):
+            return f"{param_name} (shard {shard_id})"
         for fused, original, stacked_shard in self.stacked:
             if stacked_shard == shard_id and f".{fused}." in f".{param_name}":
                 return f".{param_name}".replace(f".{fused}.", f".{original}.", 1)[1:]
@@ -85,10 +104,11 @@ class _CheckpointMapper:
 @torch.no_grad()
 def _write(model: nn.Module, target: _ParamTarget, param_name: str, shard_id: str | None,
            checkpoint_name: str, tensor: torch.Tensor) -> None:
-    if shard_id not in target.shard_ids:
+    whole_write = shard_id is None and target.shard_ids != (None,)
+    if shard_id not in target.shard_ids and not whole_write:
         raise ValueError(f"checkpoint tensor {checkpoint_name} maps to shard {shard_id!r} of "
                          f"{param_name}, which has shards {target.shard_ids}")
-    if shard_id in target.written:
+    if shard_id in target.written or (whole_write and target.written):
         raise ValueError(f"checkpoint tensor {checkpoint_name} appears more than once")
     destination = target.parameter.data
     if shard_id is not None:
@@ -98,7 +118,7 @@ def _write(model: nn.Module, target: _ParamTarget, param_name: str, shard_id: st
         raise ValueError(f"checkpoint tensor {checkpoint_name} has shape {tuple(tensor.shape)}, "
                          f"but the model expects {tuple(destination.shape)} for it ({param_name})")
     destination.copy_(tensor)
-    target.written.add(shard_id)
+    target.written.update(target.shard_ids if whole_write else (shard_id,))
 
 
 def load_model(
@@ -133,6 +153,10 @@ def load_model(
         materialize = getattr(module, "materialize_buffers", None)
         if callable(materialize):
             materialize(device)
+        process = getattr(module, "process_weights_after_loading", None)
+        if callable(process):
+            with torch.no_grad():
+                process()
     return model.eval()
 
 

@@ -8,4 +8,6 @@ def weir_attention_backends() -> list[AttentionBackendSpec]:
     return [
         AttentionBackendSpec("torch", "weir.plugins.attention.torch_ref:TorchAttentionBackend"),
         AttentionBackendSpec("triton", "weir.plugins.attention.triton_paged:TritonAttentionBackend"),
+        AttentionBackendSpec("gdn_torch", "weir.plugins.attention.gdn_torch:TorchGDNBackend"),
+        AttentionBackendSpec("gdn_fla", "weir.plugins.attention.gdn_fla:FlaGDNBackend"),
     ]

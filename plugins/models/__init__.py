@@ -14,4 +14,5 @@ def weir_models() -> list[ModelSpec]:
     return [
         ModelSpec("LlamaForCausalLM", "weir.plugins.models.llama:LlamaForCausalLM"),
         ModelSpec("Qwen3ForCausalLM", "weir.plugins.models.qwen3:Qwen3ForCausalLM"),
+        ModelSpec("Qwen3NextForCausalLM", "weir.plugins.models.qwen3_next:Qwen3NextForCausalLM"),
     ]

@@ -17,7 +17,7 @@ class TorchCudaPlatformBase(Platform):
     supports_graphs = True
     supports_triton = True
     pin_memory = True
-    preferred_attention_backends = ("triton", "torch")
+    preferred_attention_backends = ("triton", "gdn_fla", "torch", "gdn_torch")
     preferred_moe_backends = ("triton", "torch")
 
     @staticmethod

@@ -1,0 +1,65 @@
+"""Expert weights in the fused transformers 5.x layout, computed by the selected MoE backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from weir.attention import ForwardContext
+
+# Per-expert checkpoint tensors (what ``save_pretrained`` writes) -> shards of the fused expert
+# parameters; for a model's ``stacked_param_patterns`` (regex, parameter, shard id).
+PER_EXPERT_PATTERNS: tuple[tuple[str, str, str], ...] = (
+    (r"\.experts\.(\d+)\.gate_proj\.weight$", ".experts.gate_up_proj", r"gate.\1"),
+    (r"\.experts\.(\d+)\.up_proj\.weight$", ".experts.gate_up_proj", r"up.\1"),
+    (r"\.experts\.(\d+)\.down_proj\.weight$", ".experts.down_proj", r"down.\1"),
+)
+
+
+class FusedExperts(nn.Module):
+    """``gate_up_proj [E, 2I, H]`` (gate rows, then up rows) and ``down_proj [E, H, I]``.
+
+    Loads from per-expert checkpoint tensors (shards ``gate.e``, ``up.e``, ``down.e``) or from
+    the fused tensors whole. ``forward`` takes routed tokens and calls the context's backend.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str = "silu"):
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.activation = activation
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def param_shard_ids(self, attr: str) -> tuple[str, ...]:
+        experts = range(self.num_experts)
+        if attr == "gate_up_proj":
+            return tuple(f"gate.{e}" for e in experts) + tuple(f"up.{e}" for e in experts)
+        return tuple(f"down.{e}" for e in experts)
+
+    def shard_slice(self, shard_id: str) -> tuple:
+        """Index of shard ``kind.expert`` in its parameter."""
+        kind, _, expert = shard_id.partition(".")
+        expert_idx = int(expert)
+        if kind == "gate":
+            return (expert_idx, slice(0, self.intermediate_size))
+        if kind == "up":
+            return (expert_idx, slice(self.intermediate_size, 2 * self.intermediate_size))
+        return (expert_idx,)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # [num_tokens, hidden]
+        router_logits: torch.Tensor,  # [num_tokens, num_experts]
+        top_k: int,
+        renormalize: bool,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        if ctx.moe_backend is None:
+            raise RuntimeError("this model has MoE layers, but the forward context has no MoE backend")
+        return ctx.moe_backend.forward(hidden_states, router_logits, self.gate_up_proj, self.down_proj,
+                                       top_k, renormalize, self.activation)
+
+    def extra_repr(self) -> str:
+        num_experts, hidden = self.down_proj.shape[:2]
+        return f"experts={num_experts}, hidden={hidden}, intermediate={self.intermediate_size}"

@@ -1,0 +1,141 @@
+"""The linear-attention (state-slot) backend interface, for Gated DeltaNet layers and kin.
+
+A linear-attention layer keeps no per-token KV. Each running request owns one *state slot*
+(handed out by the cache manager at admission, freed at finish, abort or preemption), and the
+layer's state tensors are indexed by slot:
+
+- ``conv_state [num_slots + 1, conv_dim, conv_kernel]``: the last ``conv_kernel`` inputs of the
+  causal depthwise conv (model dtype), oldest first, as transformers and fla keep them;
+- ``recurrent_state [num_slots + 1, num_v_heads, head_k_dim, head_v_dim]``: fp32, ``o = q^T S``.
+
+The extra last slot (index ``num_slots``) absorbs the writes of CUDA-graph padding requests.
+A slot is zeroed by the runner when a request is admitted into it, so a backend always reads the
+slot as the request's initial state (zeros before its first token) and writes the state after
+the step back into it. Chunked prefill therefore carries state across chunks for free.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+GATED_DELTA_NET = "gated_delta_net"
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetLayerSpec:
+    """Shapes of one Gated DeltaNet layer (``reference/models.md`` §3.3).
+
+    Value head ``h`` uses q/k head ``h // (num_v_heads // num_k_heads)``.
+    """
+
+    layer_idx: int
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+    kind: str = GATED_DELTA_NET
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the short conv: q, k, then v, flattened."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass
+class LinearAttentionMetadata:
+    """Step inputs shared by every linear-attention layer of one forward (batch order)."""
+
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, device
+    state_indices: torch.Tensor  # [num_reqs] int32, device: each request's state slot
+    num_reqs: int
+    num_tokens: int
+    max_query_len: int  # host-known; 1 means every request decodes one token
+    # [num_reqs + 1] int32 on the CPU when the host knows it (eager steps): lets varlen kernels
+    # prepare their chunk indices without reading the device. None inside CUDA graphs.
+    query_start_loc_cpu: torch.Tensor | None = None
+
+
+@dataclass
+class LayerState:
+    """One linear-attention layer's state tensors, indexed by slot."""
+
+    conv_state: torch.Tensor  # [num_slots + 1, conv_dim, conv_kernel], model dtype
+    recurrent_state: torch.Tensor  # [num_slots + 1, num_v_heads, head_k_dim, head_v_dim] fp32
+
+    def zero_slots(self, slots: torch.Tensor) -> None:
+        """Reset the given slots (int64 device indices) for newly admitted requests."""
+        self.conv_state.index_fill_(0, slots, 0)
+        self.recurrent_state.index_fill_(0, slots, 0)
+
+
+class LinearAttentionBackend(ABC):
+    """A way to run Gated DeltaNet layers over per-request state slots.
+
+    The model computes the projections and the gates; the backend runs the short causal conv
+    (with SiLU), splits q/k/v, L2-normalises q and k, scales q by ``head_k_dim ** -0.5`` and runs
+    the gated delta rule, reading and updating each request's slot.
+    """
+
+    name: ClassVar[str]
+    supported_devices: ClassVar[frozenset[str]]
+    supported_layer_kinds: ClassVar[frozenset[str]] = frozenset({GATED_DELTA_NET})
+    # Decode (max_query_len == 1) needs no host values and launches a fixed grid per batch size.
+    supports_cuda_graphs: ClassVar[bool] = False
+
+    def __init__(self, dtype: torch.dtype, device: torch.device):
+        self.dtype = dtype
+        self.device = device
+
+    @classmethod
+    def supports(cls, device_type: str, layer_kinds: set[str]) -> bool:
+        return device_type in cls.supported_devices and layer_kinds <= cls.supported_layer_kinds
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why the backend cannot run in this environment (a missing package), or None."""
+        return None
+
+    def allocate_state(self, num_slots: int, layer: GatedDeltaNetLayerSpec) -> LayerState:
+        """Zeroed state for ``num_slots`` requests plus the padding slot."""
+        return LayerState(
+            conv_state=torch.zeros(num_slots + 1, layer.conv_dim, layer.conv_kernel,
+                                   dtype=self.dtype, device=self.device),
+            recurrent_state=torch.zeros(num_slots + 1, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim,
+                                        dtype=torch.float32, device=self.device),
+        )
+
+    @staticmethod
+    def state_bytes_per_slot(layer: GatedDeltaNetLayerSpec, dtype: torch.dtype) -> int:
+        conv = layer.conv_dim * layer.conv_kernel * dtype.itemsize
+        recurrent = layer.num_v_heads * layer.head_k_dim * layer.head_v_dim * 4
+        return conv + recurrent
+
+    def build_metadata(self, metadata: LinearAttentionMetadata) -> LinearAttentionMetadata:
+        """Once per step: derive whatever the backend needs beyond the common metadata."""
+        return metadata
+
+    @abstractmethod
+    def forward(
+        self,
+        layer: GatedDeltaNetLayerSpec,
+        mixed_qkv: torch.Tensor,  # [num_tokens, conv_dim] pre-conv q|k|v channels, model dtype
+        g: torch.Tensor,  # [num_tokens, num_v_heads] fp32 log-decay (<= 0)
+        beta: torch.Tensor,  # [num_tokens, num_v_heads] in (0, 1)
+        conv_weight: torch.Tensor,  # [conv_dim, conv_kernel]
+        state: LayerState,
+        metadata: LinearAttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_v_heads, head_v_dim] in the model dtype
+        """Conv + SiLU, split, L2-norm, gated delta rule; updates the request slots in place."""

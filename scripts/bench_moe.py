@@ -1,0 +1,119 @@
+"""Milliseconds per MoE expert call at Qwen3-Next-80B shapes: torch vs Triton backends, on CUDA.
+
+    python scripts/bench_moe.py [--iters 30] [--tokens 1,16,64] [--sweep]
+
+E=512 experts, top_k=10, H=2048, I=512, bf16, random weights and softmax routing. "GB/s" is the
+bytes of the experts a batch touches (distinct ids x 3*H*I*2) over the time: decode is weight
+streaming, so it should approach the HBM peak. "triton graph" replays the call from a CUDA
+graph, as decode runs it; the eager columns include Python launch overhead (the torch backend
+syncs, so it has no graph column). --sweep times other tile sets per batch, to tune
+BF16_TILE_TABLE in weir.plugins.moe_backends.triton_fused_kernels. Times are CUDA-event medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable
+
+import torch
+
+from weir.moe import softmax_top_k
+from weir.plugins.moe_backends.torch_ref import TorchMoEBackend
+from weir.plugins.moe_backends.triton_fused import TritonMoEBackend
+from weir.plugins.moe_backends.triton_fused_kernels import GemmTiles, MoETiles, default_moe_tiles
+
+NUM_EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 512, 10, 2048, 512
+EXPERT_BYTES = 3 * HIDDEN * INTERMEDIATE * 2  # gate, up and down rows of one bf16 expert
+SWEEP_GEMMS = [  # (gate_up, down) pairs; each is tried with every block_m the batch can fill
+    (GemmTiles(32, 128, 4, 4), GemmTiles(64, 128, 4, 4)),
+    (GemmTiles(16, 128, 4, 4), GemmTiles(32, 128, 4, 4)),
+    (GemmTiles(64, 128, 4, 3), GemmTiles(128, 128, 8, 3)),
+    (GemmTiles(64, 64, 4, 3), GemmTiles(128, 64, 4, 3)),
+    (GemmTiles(128, 64, 8, 3), GemmTiles(256, 64, 8, 3)),
+    (GemmTiles(64, 64, 4, 4), GemmTiles(64, 64, 4, 4)),
+]
+
+
+def time_ms(fn: Callable[[], object], iters: int, graph: bool) -> float:
+    """Median ms of ``fn`` (or of replaying a CUDA graph of it), after a compiling warm-up."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    run = fn
+    if graph:
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            fn()
+        run = cuda_graph.replay
+        run()
+    samples = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+def make_batch(num_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = torch.randn(num_tokens, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=generator)
+    router_logits = torch.randn(num_tokens, NUM_EXPERTS, device="cuda", dtype=torch.bfloat16, generator=generator)
+    topk_weights, topk_ids = softmax_top_k(router_logits, TOP_K, renormalize=True)
+    return hidden, topk_weights, topk_ids
+
+
+def sweep(num_tokens: int, batch, weights, iters: int) -> None:
+    default = default_moe_tiles(num_tokens, TOP_K, NUM_EXPERTS, torch.bfloat16)
+    mean_rows = num_tokens * TOP_K / NUM_EXPERTS
+    backend = TritonMoEBackend()
+    results = []
+    for block_m in (16, 32, 64, 128):
+        if block_m > 16 and block_m > 4 * mean_rows:  # blocks mostly padding: not worth compiling
+            continue
+        for gate_up, down in SWEEP_GEMMS:
+            backend.tiles = MoETiles(block_m, gate_up, down)
+            results.append((time_ms(lambda: backend.experts(*batch, *weights), iters, graph=True), backend.tiles))
+    for milliseconds, tiles in sorted(results, key=lambda result: result[0])[:5]:
+        marker = "  (default)" if tiles == default else ""
+        print(f"    {milliseconds:8.3f} ms  {tiles}{marker}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--tokens", default="1,16,64,256,512,2048,8192")
+    parser.add_argument("--sweep", action="store_true", help="also time other tile sets (slow: compiles)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_moe needs a CUDA device")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    weights = (
+        torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN, device="cuda", dtype=torch.bfloat16,
+                    generator=generator) * 0.02,  # w_gate_up [E, 2I, H]
+        torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, device="cuda", dtype=torch.bfloat16,
+                    generator=generator) * 0.02,  # w_down [E, H, I]
+    )
+    torch_backend, triton_backend = TorchMoEBackend(), TritonMoEBackend()
+    print(f"{'tokens':>6} {'experts':>7} {'torch ms':>9} {'triton ms':>10} {'graph ms':>9} {'speedup':>8} "
+          f"{'torch GB/s':>11} {'graph GB/s':>11}  tiles")
+    with torch.no_grad():
+        for num_tokens in (int(value) for value in args.tokens.split(",")):
+            batch = make_batch(num_tokens, seed=num_tokens)
+            touched_bytes = batch[2].unique().numel() * EXPERT_BYTES
+            torch_ms = time_ms(lambda: torch_backend.experts(*batch, *weights), args.iters, graph=False)
+            triton_ms = time_ms(lambda: triton_backend.experts(*batch, *weights), args.iters, graph=False)
+            graph_ms = time_ms(lambda: triton_backend.experts(*batch, *weights), args.iters, graph=True)
+            tiles = default_moe_tiles(num_tokens, TOP_K, NUM_EXPERTS, torch.bfloat16)
+            print(f"{num_tokens:>6} {touched_bytes // EXPERT_BYTES:>7} {torch_ms:>9.3f} {triton_ms:>10.3f} "
+                  f"{graph_ms:>9.3f} {torch_ms / graph_ms:>7.1f}x {touched_bytes / torch_ms / 1e6:>11.0f} "
+                  f"{touched_bytes / graph_ms / 1e6:>11.0f}  block_m {tiles.block_m}", flush=True)
+            if args.sweep:
+                sweep(num_tokens, batch, weights, args.iters)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,293 @@
+"""The Triton fused MoE backend against TorchMoEBackend, its oracle.
+
+Each ``check_*`` runs on the CPU in Triton's interpreter (a subprocess, see helpers_triton) and
+compiled on CUDA (marked gpu), in fp32, where the two backends agree to rounding. The GPU tests
+add bf16 at Qwen3-Next shapes (E=512, top_k=10, H=2048, I=512) and CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from helpers_triton import run_interpreted
+from weir.moe import softmax_top_k
+from weir.plugins.moe_backends.torch_ref import TorchMoEBackend
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+NUM_EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 8, 2, 64, 32
+
+
+def _kernels():
+    from weir.plugins.moe_backends import triton_fused_kernels  # imports triton: only inside a check
+
+    return triton_fused_kernels
+
+
+def _backend(tiles=None):
+    from weir.plugins.moe_backends.triton_fused import TritonMoEBackend
+
+    backend = TritonMoEBackend()
+    backend.tiles = tiles
+    return backend
+
+
+def _moe_weights(num_experts, hidden, intermediate, device, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    w_gate_up = torch.randn(num_experts, 2 * intermediate, hidden, generator=generator) * 0.2
+    w_down = torch.randn(num_experts, hidden, intermediate, generator=generator) * 0.2
+    return w_gate_up.to(device=device, dtype=dtype), w_down.to(device=device, dtype=dtype)
+
+
+def _randn(*shape, device, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def _assert_matches_reference(actual, expected):
+    """fp32: the two backends differ only in summation order."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    scale = max(expected.abs().amax().item(), 1e-6)
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4 * scale)
+
+
+def _skewed_ids(num_tokens, num_experts, top_k, hot_expert, seed):
+    """Slot 0 of every token goes to ``hot_expert``; the other slots to distinct other experts."""
+    rng = random.Random(seed)
+    others = [expert for expert in range(num_experts) if expert != hot_expert]
+    rows = [[hot_expert] + rng.sample(others, top_k - 1) for _ in range(num_tokens)]
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def _assert_valid_alignment(topk_ids, num_experts, block_m, sorted_ids, expert_ids, num_padded):
+    num_assignments = topk_ids.numel()
+    flat_ids = topk_ids.reshape(-1).tolist()
+    counts = [flat_ids.count(expert) for expert in range(num_experts)]
+    padded_counts = [math.ceil(count / block_m) * block_m for count in counts]
+    total = num_padded.item()
+    assert total == sum(padded_counts)
+    assert sorted_ids.shape[0] >= total and expert_ids.shape[0] >= total // block_m
+    listed = sorted_ids[:total].tolist()
+    # Every assignment exactly once; the rest of the list is sentinel padding.
+    assert sorted(entry for entry in listed if entry != num_assignments) == list(range(num_assignments))
+    group_start = 0
+    for expert in range(num_experts):
+        group = listed[group_start:group_start + padded_counts[expert]]
+        assert sorted(entry for entry in group if entry != num_assignments) == [
+            assignment for assignment, owner in enumerate(flat_ids) if owner == expert]
+        assert group.count(num_assignments) == padded_counts[expert] - counts[expert] < block_m
+        blocks = expert_ids[group_start // block_m:(group_start + padded_counts[expert]) // block_m].tolist()
+        assert blocks == [expert] * (padded_counts[expert] // block_m)
+        group_start += padded_counts[expert]
+
+
+def check_alignment(device):
+    routings = {
+        "random": softmax_top_k(_randn(33, NUM_EXPERTS, device="cpu", seed=1), TOP_K, True)[1],
+        "one token (six experts empty)": torch.tensor([[6, 1]]),
+        "every token on expert 5": _skewed_ids(40, NUM_EXPERTS, TOP_K, hot_expert=5, seed=2),
+    }
+    for name, topk_ids in routings.items():
+        for block_m in (16, 32):
+            aligned = _kernels().align_assignments(topk_ids.to(device), NUM_EXPERTS, block_m)
+            try:
+                _assert_valid_alignment(topk_ids, NUM_EXPERTS, block_m, *(t.cpu() for t in aligned))
+            except AssertionError as error:
+                raise AssertionError(f"{name}, block_m {block_m}") from error
+
+
+def check_matches_torch(device):
+    w_gate_up, w_down = _moe_weights(NUM_EXPERTS, HIDDEN, INTERMEDIATE, device)
+    for num_tokens, renormalize in ((1, True), (5, False), (33, True)):
+        hidden = _randn(num_tokens, HIDDEN, device=device, seed=num_tokens)
+        router_logits = _randn(num_tokens, NUM_EXPERTS, device=device, seed=100 + num_tokens)
+        expected = TorchMoEBackend().forward(hidden, router_logits, w_gate_up, w_down, TOP_K, renormalize)
+        actual = _backend().forward(hidden, router_logits, w_gate_up, w_down, TOP_K, renormalize)
+        _assert_matches_reference(actual, expected)
+
+
+def check_one_expert_takes_every_token(device):
+    # 33 rows on one expert span three blocks of 16; most other experts get a row or two.
+    w_gate_up, w_down = _moe_weights(NUM_EXPERTS, HIDDEN, INTERMEDIATE, device, seed=3)
+    hidden = _randn(33, HIDDEN, device=device, seed=4)
+    topk_ids = _skewed_ids(33, NUM_EXPERTS, TOP_K, hot_expert=2, seed=5).to(device)
+    topk_weights = torch.rand(33, TOP_K, generator=torch.Generator().manual_seed(6)).to(device)
+    expected = TorchMoEBackend().experts(hidden, topk_weights, topk_ids, w_gate_up, w_down)
+    _assert_matches_reference(_backend().experts(hidden, topk_weights, topk_ids, w_gate_up, w_down), expected)
+
+
+def check_ragged_shapes_strides_and_tiles(device):
+    # H=48, I=24 are not multiples of the 32-wide K tiles (masked K) nor of the 32-wide N tile of
+    # the first GEMM; hidden rows and down weights are strided views; gelu; other block_m values.
+    from weir.plugins.moe_backends.triton_fused_kernels import GemmTiles, MoETiles
+
+    num_experts, top_k, hidden_size, intermediate = 6, 3, 48, 24
+    w_gate_up, _ = _moe_weights(num_experts, hidden_size, intermediate, device, seed=7)
+    w_down = (_randn(num_experts, intermediate, hidden_size, device=device, seed=8) * 0.2).transpose(1, 2)
+    hidden = _randn(21, hidden_size + 5, device=device, seed=9)[:, 5:]
+    router_logits = _randn(21, num_experts, device=device, seed=10)
+    expected = TorchMoEBackend().forward(hidden, router_logits, w_gate_up, w_down, top_k, False, "gelu")
+    for tiles in (MoETiles(16, GemmTiles(32, 32, 4, 2), GemmTiles(32, 32, 4, 2)),
+                  MoETiles(32, GemmTiles(16, 16, 4, 2), GemmTiles(64, 16, 4, 2)),
+                  MoETiles(64, GemmTiles(32, 64, 4, 2), GemmTiles(16, 32, 4, 2))):
+        actual = _backend(tiles).forward(hidden, router_logits, w_gate_up, w_down, top_k, False, "gelu")
+        _assert_matches_reference(actual, expected)
+
+
+def check_out_of_range_ids_contribute_nothing(device):
+    w_gate_up, w_down = _moe_weights(NUM_EXPERTS, HIDDEN, INTERMEDIATE, device, seed=11)
+    hidden = _randn(4, HIDDEN, device=device, seed=12)
+    topk_ids = torch.tensor([[0, 3], [-1, 2], [7, NUM_EXPERTS], [1, 5]], device=device)
+    topk_weights = torch.full((4, TOP_K), 0.5, device=device)
+    in_range = (topk_ids >= 0) & (topk_ids < NUM_EXPERTS)
+    expected = TorchMoEBackend().experts(hidden, topk_weights * in_range, topk_ids.clamp(0, NUM_EXPERTS - 1),
+                                         w_gate_up, w_down)
+    _assert_matches_reference(_backend().experts(hidden, topk_weights, topk_ids, w_gate_up, w_down), expected)
+
+
+def check_no_tokens(device):
+    w_gate_up, w_down = _moe_weights(NUM_EXPERTS, HIDDEN, INTERMEDIATE, device)
+    hidden = torch.empty(0, HIDDEN, device=device)
+    out = _backend().forward(hidden, torch.empty(0, NUM_EXPERTS, device=device), w_gate_up, w_down, TOP_K, True)
+    assert out.shape == (0, HIDDEN)
+
+
+CHECKS = [
+    check_alignment,
+    check_matches_torch,
+    check_one_expert_takes_every_token,
+    check_ragged_shapes_strides_and_tiles,
+    check_out_of_range_ids_contribute_nothing,
+    check_no_tokens,
+]
+
+
+def run_checks(device: str) -> None:
+    for check in CHECKS:
+        check(device)
+        print("ok", check.__name__, flush=True)
+
+
+def test_kernels_interpreted_on_cpu():
+    run_interpreted("test_moe_triton", "run_checks", [check.__name__ for check in CHECKS])
+
+
+def test_backend_declares_cuda_and_graphs():
+    from weir.plugins.moe_backends.triton_fused import TritonMoEBackend
+
+    assert TritonMoEBackend.name == "triton" and TritonMoEBackend.supports_cuda_graphs
+    assert TritonMoEBackend.supports("cuda") and not TritonMoEBackend.supports("cpu")
+
+
+def test_tile_table():
+    kernels = _kernels()
+    assert kernels.default_moe_tiles(8192, 10, 512, torch.float32) == kernels.FP32_TILES
+    previous_block_m = 0
+    for num_tokens in [1, 7, 51, 52, 256, 409, 410, 1024, 2048, 8192, 65536]:
+        tiles = kernels.default_moe_tiles(num_tokens, 10, 512, torch.bfloat16)
+        assert tiles.block_m >= previous_block_m, "bigger batches never get smaller row blocks"
+        previous_block_m = tiles.block_m
+        for size in (tiles.block_m, tiles.gate_up.block_n, tiles.gate_up.block_k, tiles.down.block_n,
+                     tiles.down.block_k):
+            assert size >= 16 and size & (size - 1) == 0, f"{tiles}: tl.dot needs powers of two >= 16"
+    assert kernels.default_moe_tiles(1, 10, 512, torch.bfloat16).block_m == 16
+    assert kernels.default_moe_tiles(8192, 10, 512, torch.bfloat16).block_m == 64
+
+
+def test_worst_case_block_count_covers_every_routing():
+    rng = random.Random(0)
+    max_padded_blocks = _kernels().max_padded_blocks
+    for _ in range(500):
+        num_experts, block_m = rng.choice([4, 8, 512]), rng.choice([16, 32, 64])
+        num_assignments = rng.randint(1, 300)
+        counts = [0] * num_experts
+        for _ in range(num_assignments):  # skewed towards the first experts, with empty ones
+            counts[min(int(rng.expovariate(0.5)), num_experts - 1)] += 1
+        needed = sum(math.ceil(count / block_m) for count in counts)
+        assert needed <= max_padded_blocks(num_assignments, num_experts, block_m)
+    # One row on each of 10 experts needs exactly 10 blocks: the bound is tight there.
+    assert max_padded_blocks(10, 512, 16) == 10
+
+
+def test_bad_arguments_are_errors():
+    backend = _backend()
+    w_gate_up, w_down = _moe_weights(NUM_EXPERTS, HIDDEN, INTERMEDIATE, "cpu")
+    hidden = torch.randn(3, HIDDEN)
+    topk_weights, topk_ids = torch.rand(3, TOP_K), torch.zeros(3, TOP_K, dtype=torch.int64)
+    with pytest.raises(ValueError, match="unknown MoE activation 'relu9'"):
+        backend.experts(hidden, topk_weights, topk_ids, w_gate_up, w_down, "relu9")
+    with pytest.raises(ValueError, match="do not match hidden size"):
+        backend.experts(hidden[:, :40], topk_weights, topk_ids, w_gate_up, w_down)
+    with pytest.raises(ValueError, match="must both be"):
+        backend.experts(hidden, topk_weights[:2], topk_ids[:2], w_gate_up, w_down)
+    with pytest.raises(ValueError, match="integer expert ids"):
+        backend.experts(hidden, topk_weights, topk_ids.float(), w_gate_up, w_down)
+    with pytest.raises(ValueError, match="must have hidden's dtype"):
+        backend.experts(hidden.bfloat16(), topk_weights, topk_ids, w_gate_up, w_down)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__)
+def test_checks_on_cuda(check):
+    check("cuda")
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_experts():
+    """bf16 experts at Qwen3-Next-80B shapes (3.2 GB), made on the GPU."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    w_gate_up = torch.randn(512, 2 * 512, 2048, device="cuda", dtype=torch.bfloat16, generator=generator) * 0.02
+    w_down = torch.randn(512, 2048, 512, device="cuda", dtype=torch.bfloat16, generator=generator) * 0.02
+    return w_gate_up, w_down
+
+
+def _qwen3_next_batch(num_tokens, seed):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = torch.randn(num_tokens, 2048, device="cuda", dtype=torch.bfloat16, generator=generator)
+    router_logits = torch.randn(num_tokens, 512, device="cuda", dtype=torch.bfloat16, generator=generator)
+    topk_weights, topk_ids = softmax_top_k(router_logits, 10, renormalize=True)
+    return hidden, topk_weights, topk_ids
+
+
+def _relative_error(actual, expected):
+    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 7, 256, 1024, 2048, 8192])  # every tile-table row
+def test_qwen3_next_shapes_bf16(qwen3_next_experts, num_tokens):
+    hidden, topk_weights, topk_ids = _qwen3_next_batch(num_tokens, seed=num_tokens)
+    expected = TorchMoEBackend().experts(hidden, topk_weights, topk_ids, *qwen3_next_experts)
+    actual = _backend().experts(hidden, topk_weights, topk_ids, *qwen3_next_experts)
+    assert actual.dtype == torch.bfloat16 and actual.shape == expected.shape
+    assert _relative_error(actual, expected) < 1e-2
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [7, 256])
+def test_cuda_graph_replay_matches_eager(qwen3_next_experts, num_tokens):
+    backend = _backend()
+    static_inputs = _qwen3_next_batch(num_tokens, seed=1)
+    backend.experts(*static_inputs, *qwen3_next_experts)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = backend.experts(*static_inputs, *qwen3_next_experts)
+    # New routings after capture, one sending every token to the same ten experts: group sizes
+    # and block counts differ from the captured step, and nothing of them was baked in.
+    hot_ids = torch.arange(10, device="cuda").repeat(num_tokens, 1)
+    new_batches = [_qwen3_next_batch(num_tokens, seed=2), (*_qwen3_next_batch(num_tokens, seed=3)[:2], hot_ids)]
+    for batch in new_batches:
+        for static, new in zip(static_inputs, batch):
+            static.copy_(new)
+        graph.replay()
+        eager = backend.experts(*batch, *qwen3_next_experts)
+        # Each row's result is independent of its place in its group: replay is bit-exact.
+        assert torch.equal(graph_out, eager)
+        expected = TorchMoEBackend().experts(*batch, *qwen3_next_experts)
+        assert _relative_error(graph_out, expected) < 1e-2

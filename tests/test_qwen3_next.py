@@ -1,0 +1,151 @@
+"""Qwen3-Next against transformers, fp32 on the CPU (fla absent, so transformers runs its torch
+Gated DeltaNet): logits and 32 greedy tokens for 8 prompts of different lengths, through
+chunked prefill (state carried across chunks), preemption, too few state slots, and both
+scheduling modes; plus the checkpoint layouts the loader must take."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from helpers_models import make_tiny_qwen3_next
+from engine_harness import assert_nothing_held, hf_greedy_with, watch_engine
+from weir import LLM, SamplingParams
+
+NUM_TOKENS = 32
+PROMPT_LENGTHS = (1, 3, 9, 17, 24, 40, 55, 70)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_qwen3_next(tmp_path_factory.mktemp("qwen3_next"), with_tokenizer=True)
+    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def references(checkpoint):
+    _, hf_model = checkpoint
+    rng = random.Random(0)
+    prompts = [[rng.randrange(0, 256) for _ in range(length)] for length in PROMPT_LENGTHS]
+    return prompts, [hf_greedy_with(hf_model, prompt, NUM_TOKENS) for prompt in prompts]
+
+
+def kv_bytes_for_blocks(num_blocks: int, block_size: int) -> int:
+    # Two full-attention layers of 2 KV heads x 32 dims in fp32 (the DeltaNet layers hold no KV).
+    return num_blocks * 2 * block_size * 2 * 32 * 4 * 2
+
+
+SCENARIOS = {
+    "plain": {},
+    "chunked_prefill": dict(max_num_batched_tokens=16),
+    "preemption": dict(block_size=4, max_model_len=128, kv_cache_memory_bytes=kv_bytes_for_blocks(41, 4)),
+    "few_state_slots": dict(max_num_seqs=3),
+}
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_matches_transformers(checkpoint, references, scenario, async_scheduling):
+    path, _ = checkpoint
+    prompts, expected = references
+    llm = LLM(str(path), device="cpu", dtype="float32", async_scheduling=async_scheduling, **SCENARIOS[scenario])
+    watch = watch_engine(llm)
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    engine = llm.engine
+    assert engine.runner.linear_attn_backend.name == "gdn_torch"
+    if scenario == "preemption":
+        assert engine.scheduler.num_preemptions > 0
+    if scenario == "chunked_prefill":
+        assert watch.num_steps > NUM_TOKENS + 70 // 16  # prompts needed several chunks
+    if scenario == "few_state_slots":
+        assert engine.scheduler.kv_cache.state_slots.num_slots == 3
+    for output, (expected_tokens, expected_logits) in zip(outputs, expected):
+        completion = output.outputs[0]
+        assert completion.token_ids == expected_tokens
+        logits = torch.stack(watch.logits[output.request_id][:NUM_TOKENS])
+        rel_err = ((logits - expected_logits).abs().max() / expected_logits.abs().max()).item()
+        assert rel_err < 1e-4, f"request {output.request_id}: max relative error {rel_err:.2e}"
+    assert_nothing_held(llm)
+
+
+def test_prefix_caching_is_off_and_says_so(checkpoint, references, caplog):
+    path, _ = checkpoint
+    prompts, expected = references
+    with caplog.at_level(logging.INFO, logger="weir.engine"):
+        llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, enable_prefix_caching=True)
+    assert "prefix caching is off" in caplog.text
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    # The same long prompt twice: a hit would skip tokens the recurrent state needs.
+    outputs = llm.generate([{"prompt_token_ids": prompts[-1]}] * 2, params, use_tqdm=False)
+    assert llm.engine.scheduler.kv_cache.pool.num_hits == 0
+    assert [o.outputs[0].token_ids for o in outputs] == [expected[-1][0]] * 2
+
+
+def test_aborted_requests_give_back_their_slots(checkpoint, references):
+    path, _ = checkpoint
+    prompts, _ = references
+    llm = LLM(str(path), device="cpu", dtype="float32", max_num_seqs=4)
+    engine = llm.engine
+    for index, prompt in enumerate(prompts[:4]):
+        engine.add_request(f"r{index}", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=20, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.scheduler.kv_cache.state_slots.num_free == 0
+    engine.abort_request(["r0", "r2"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_nothing_held(llm)
+
+
+def _fused_expert_checkpoint(source, destination):
+    """The same weights with transformers' fused in-memory expert layout (no per-expert tensors)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, destination)
+    weights = load_file(str(source / "model.safetensors"))
+    fused = {}
+    for name, tensor in weights.items():
+        if ".experts." not in name:
+            fused[name] = tensor
+    for layer in range(1, 4):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        gate_up = [torch.cat([weights[f"{prefix}.{e}.gate_proj.weight"], weights[f"{prefix}.{e}.up_proj.weight"]])
+                   for e in range(8)]
+        fused[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
+        fused[f"{prefix}.down_proj"] = torch.stack([weights[f"{prefix}.{e}.down_proj.weight"] for e in range(8)])
+    save_file(fused, str(destination / "model.safetensors"), metadata={"format": "pt"})
+    return destination
+
+
+def test_fused_expert_layout_loads(checkpoint, references, tmp_path):
+    path, _ = checkpoint
+    prompts, expected = references
+    fused_path = _fused_expert_checkpoint(path, tmp_path / "fused")
+    llm = LLM(str(fused_path), device="cpu", dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    output = llm.generate([{"prompt_token_ids": prompts[4]}], params, use_tqdm=False)[0]
+    assert output.outputs[0].token_ids == expected[4][0]
+
+
+def test_missing_expert_is_named(checkpoint, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path, _ = checkpoint
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    weights = load_file(str(path / "model.safetensors"))
+    del weights["model.layers.3.mlp.experts.5.up_proj.weight"]
+    save_file(weights, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.3\.mlp\.experts\.up_proj.*up\.5|up\.5"):
+        LLM(str(broken), device="cpu", dtype="float32")
