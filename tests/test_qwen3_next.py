@@ -1,5 +1,5 @@
 """Qwen3-Next against transformers, fp32 on the CPU (fla absent, so transformers runs its torch
-Gated DeltaNet): logits and 32 greedy tokens for 8 prompts of different lengths, through
+Gated DeltaNet; ``hf_reference`` runs it with fla blocked): logits and 32 greedy tokens for 8 prompts of different lengths, through
 chunked prefill (state carried across chunks), preemption, too few state slots, and both
 scheduling modes; plus the checkpoint layouts the loader must take."""
 
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from helpers_models import make_tiny_qwen3_next
-from engine_harness import assert_nothing_held, hf_greedy_with, watch_engine
+from engine_harness import assert_nothing_held, watch_engine
+from hf_reference import hf_greedy_in_subprocess
 from weir import LLM, SamplingParams
 
 NUM_TOKENS = 32
@@ -21,18 +22,16 @@ PROMPT_LENGTHS = (1, 3, 9, 17, 24, 40, 55, 70)
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    path = make_tiny_qwen3_next(tmp_path_factory.mktemp("qwen3_next"), with_tokenizer=True)
-    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return make_tiny_qwen3_next(tmp_path_factory.mktemp("qwen3_next"), with_tokenizer=True)
 
 
 @pytest.fixture(scope="module")
 def references(checkpoint):
-    _, hf_model = checkpoint
+    path = checkpoint
     rng = random.Random(0)
     prompts = [[rng.randrange(0, 256) for _ in range(length)] for length in PROMPT_LENGTHS]
-    return prompts, [hf_greedy_with(hf_model, prompt, NUM_TOKENS) for prompt in prompts]
+    # In a child process with fla blocked: on a machine with fla, transformers would use it.
+    return prompts, hf_greedy_in_subprocess(path, prompts, NUM_TOKENS)
 
 
 def kv_bytes_for_blocks(num_blocks: int, block_size: int) -> int:
@@ -51,7 +50,7 @@ SCENARIOS = {
 @pytest.mark.parametrize("async_scheduling", [True, False])
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_matches_transformers(checkpoint, references, scenario, async_scheduling):
-    path, _ = checkpoint
+    path = checkpoint
     prompts, expected = references
     llm = LLM(str(path), device="cpu", dtype="float32", async_scheduling=async_scheduling, **SCENARIOS[scenario])
     watch = watch_engine(llm)
@@ -76,7 +75,7 @@ def test_matches_transformers(checkpoint, references, scenario, async_scheduling
 
 
 def test_prefix_caching_is_off_and_says_so(checkpoint, references, caplog):
-    path, _ = checkpoint
+    path = checkpoint
     prompts, expected = references
     with caplog.at_level(logging.INFO, logger="weir.engine"):
         llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, enable_prefix_caching=True)
@@ -89,7 +88,7 @@ def test_prefix_caching_is_off_and_says_so(checkpoint, references, caplog):
 
 
 def test_aborted_requests_give_back_their_slots(checkpoint, references):
-    path, _ = checkpoint
+    path = checkpoint
     prompts, _ = references
     llm = LLM(str(path), device="cpu", dtype="float32", max_num_seqs=4)
     engine = llm.engine
@@ -127,7 +126,7 @@ def _fused_expert_checkpoint(source, destination):
 
 
 def test_fused_expert_layout_loads(checkpoint, references, tmp_path):
-    path, _ = checkpoint
+    path = checkpoint
     prompts, expected = references
     fused_path = _fused_expert_checkpoint(path, tmp_path / "fused")
     llm = LLM(str(fused_path), device="cpu", dtype="float32")
@@ -141,7 +140,7 @@ def test_missing_expert_is_named(checkpoint, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    path, _ = checkpoint
+    path = checkpoint
     broken = tmp_path / "broken"
     shutil.copytree(path, broken)
     weights = load_file(str(path / "model.safetensors"))
