@@ -1,5 +1,6 @@
 """Qwen3-Next end to end on CUDA in bf16: fla chunk prefill + Weir's slot-indexed decode kernels,
-the Triton fused MoE, CUDA graphs and eager, against transformers (fla blocked in its process);
+the Triton fused MoE, CUDA graphs and eager, against transformers in fp32 and bf16 (fla blocked
+in its process);
 and no implicit synchronisation in the decode loop. Runs on the GPU machine (marked gpu)."""
 
 from __future__ import annotations
@@ -9,10 +10,9 @@ import random
 import pytest
 import torch
 
-from engine_harness import assert_nothing_held
+from engine_harness import assert_nothing_held, watch_engine
 from helpers_models import make_tiny_qwen3_next
 from hf_reference import hf_greedy_in_subprocess
-from test_gpu_engine import assert_greedy_parity
 from weir import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -29,22 +29,44 @@ def checkpoint(tmp_path_factory):
         moe_intermediate_size=128, shared_expert_intermediate_size=128, intermediate_size=256)
 
 
+def relative_error(ours: torch.Tensor, truth: torch.Tensor) -> float:
+    return ((ours.float() - truth).abs().max() / truth.abs().max()).item()
+
+
+def identical_prefix(tokens: list[int], reference: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+
+
 def test_bf16_parity_through_fla_and_triton_moe(checkpoint):
+    """Within bf16 tolerance of transformers, judged against transformers in fp32: Weir in bf16
+    must follow the fp32 reference about as well as transformers' own bf16 run does (greedy
+    tokens identical for about as long; prefill logits about as close). A fixed bound would
+    mean nothing here: top-k routing over near-tied experts amplifies bf16 rounding in both."""
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (1, 5, 17, 33, 64, 100, 130, 250)]
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    references = hf_greedy_in_subprocess(checkpoint, prompts, NUM_TOKENS, device="cuda", dtype="bfloat16")
-    for eager in (False, True):
+    truth = hf_greedy_in_subprocess(checkpoint, prompts, NUM_TOKENS, device="cuda", dtype="float32")
+    hf_bf16 = hf_greedy_in_subprocess(checkpoint, prompts, NUM_TOKENS, device="cuda", dtype="bfloat16")
+    hf_errors = [relative_error(logits[0], reference[0]) for (_, logits), (_, reference) in zip(hf_bf16, truth)]
+    hf_matched = sum(identical_prefix(tokens, reference) for (tokens, _), (reference, _) in zip(hf_bf16, truth))
+    print(f"transformers bf16: {hf_matched} tokens identical to fp32; prefill logits error",
+          [f"{e:.1e}" for e in hf_errors])
+    for eager in (True, False):
         llm = LLM(str(checkpoint), dtype="bfloat16", enforce_eager=eager, max_num_batched_tokens=128,
                   gpu_memory_utilization=0.3, max_model_len=512)
         runner = llm.engine.runner
         assert runner.linear_attn_backend.name == "gdn_fla" and runner.moe_backend.name == "triton"
         assert (runner.graphs is not None) == (not eager)
+        watch = watch_engine(llm) if eager else None  # graph replays skip compute_logits
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        matched = [assert_greedy_parity(o.outputs[0].token_ids, *reference, margin_tol=0.25)
-                   for o, reference in zip(outputs, references)]
-        print("eager" if eager else "graphs", "tokens identical before any near-tie divergence:", matched)
-        assert sum(matched) >= 0.75 * NUM_TOKENS * len(prompts)
+        matched = sum(identical_prefix(o.outputs[0].token_ids, reference) for o, (reference, _) in zip(outputs, truth))
+        print(f"weir bf16 {'eager' if eager else 'graphs'}: {matched} tokens identical to fp32")
+        assert matched >= 0.8 * hf_matched
+        if eager:
+            weir_errors = [relative_error(watch.logits[o.request_id][0], reference[0])
+                           for o, (_, reference) in zip(outputs, truth)]
+            print("weir bf16 prefill logits error", [f"{e:.1e}" for e in weir_errors])
+            assert max(weir_errors) <= max(3 * max(hf_errors), 2e-2)
         assert_nothing_held(llm)
         del llm
         torch.cuda.empty_cache()

@@ -125,7 +125,7 @@ def conv_decode_step(x, conv_state, weight, state_indices, out, block_d: int = 2
 
 
 def gdn_decode_step(mixed_qkv, g, beta, recurrent_state, state_indices, out, *, num_k_heads: int,
-                    head_k_dim: int, block_v: int = 32, eps: float = 1e-6):
+                    head_k_dim: int, block_v: int = 64, num_warps: int = 4, eps: float = 1e-6):
     """One gated delta-rule step per request, on the request's slot of ``recurrent_state``.
 
     ``mixed_qkv [B, conv_dim]`` is the conv output (q | k | v channels), ``g [B, HV]`` fp32
@@ -160,7 +160,7 @@ def gdn_decode_step(mixed_qkv, g, beta, recurrent_state, state_indices, out, *, 
         state_indices, out, out.stride(0), out.stride(1),
         head_k_dim ** -0.5, eps,
         KEY_DIM=key_dim, HEAD_K=head_k_dim, HEAD_V=head_v_dim, V_HEADS_PER_K_HEAD=num_v_heads // num_k_heads,
-        BLOCK_K=triton.next_power_of_2(head_k_dim), BLOCK_V=block_v, num_warps=4,
+        BLOCK_K=triton.next_power_of_2(head_k_dim), BLOCK_V=block_v, num_warps=num_warps,
     )
     return out
 

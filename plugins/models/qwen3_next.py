@@ -13,13 +13,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from weir.attention import AttentionLayerSpec, ForwardContext
 from weir.config import ModelConfig
 from weir.layers import (QKV_GATE_UP_STACKED_PARAMS, Attention, GatedMLP, LMHead, Linear, MergedLinear,
                          QKVLinear, RotaryEmbedding, VocabEmbedding)
+from weir.layers.gates import delta_net_gates
 from weir.layers.moe import PER_EXPERT_PATTERNS, FusedExperts
 from weir.layers.norm import GatedRMSNorm, ZeroCenteredRMSNorm
 from weir.linear_attention import GatedDeltaNetLayerSpec
@@ -134,9 +134,7 @@ class GatedDeltaNet(nn.Module):
         projected = self.in_proj(hidden_states)  # [num_tokens, conv_dim + value_dim + 2 * HV]
         mixed_qkv, z, b, a = projected.split(
             [spec.conv_dim, spec.value_dim, spec.num_v_heads, spec.num_v_heads], dim=-1)
-        beta = b.sigmoid()  # [num_tokens, HV]
-        # fp32 before exp/softplus: in half precision the decay can underflow to -inf.
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [num_tokens, HV]
+        g, beta = delta_net_gates(a, b, self.A_log, self.dt_bias)  # [num_tokens, HV] each
         core_out = ctx.linear_attn_backend.forward(
             spec, mixed_qkv.contiguous(), g, beta, self.conv1d.weight.squeeze(1),
             ctx.layer_states[spec.layer_idx], ctx.linear_attn_metadata)  # [num_tokens, HV, Dv]

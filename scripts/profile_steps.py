@@ -1,0 +1,105 @@
+"""Where a nano-bench run's time goes, step by step: wall time per step bucketed by kind (prefill or
+mixed vs pure decode) and decode batch size, then a torch-profiler table of a steady decode window.
+
+    python3 scripts/profile_steps.py benchmarks/models/qwen3-next-24l [--num-prompts 256] [--profile-batch 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import time
+
+import torch
+
+from weir import LLM, SamplingParams
+from weir.cli.bench.throughput import random_workload
+
+BUCKETS = ((192, "decode 192+"), (128, "decode 128-191"), (64, "decode 64-127"), (16, "decode 16-63"),
+           (1, "decode 1-15"))
+
+
+def bucket_of(num_reqs: int, num_tokens: int) -> str:
+    if num_reqs == 0:
+        return "idle"
+    if num_tokens > num_reqs:
+        return "prefill/mixed"
+    return next(label for low, label in BUCKETS if num_reqs >= low)
+
+
+def timed_steps(llm, prompts, max_tokens) -> None:
+    engine = llm.engine
+    seconds, counts = collections.Counter(), collections.Counter()
+    for index, (prompt, limit) in enumerate(zip(prompts, max_tokens)):
+        engine.add_request(f"r{index}", {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=limit), final_only=True)
+    original_execute = engine.runner.execute
+    current = {}
+
+    def execute(out):
+        current["bucket"] = bucket_of(len(out.num_scheduled_tokens), out.total_num_scheduled_tokens)
+        return original_execute(out)
+
+    engine.runner.execute = execute
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        step_start = time.perf_counter()
+        engine.step()
+        seconds[current.get("bucket", "idle")] += time.perf_counter() - step_start
+        counts[current.get("bucket", "idle")] += 1
+    total = time.perf_counter() - start
+    engine.runner.execute = original_execute
+    print(f"run: {total:.2f} s, {sum(max_tokens) / total:,.0f} out tok/s")
+    for label in ["prefill/mixed"] + [label for _, label in BUCKETS]:
+        if counts[label]:
+            print(f"  {label:15s} {counts[label]:5d} steps  {seconds[label]:6.2f} s  "
+                  f"{seconds[label] / counts[label] * 1e3:7.2f} ms/step")
+
+
+def profile_window(llm, batch: int, num_steps: int = 6) -> None:
+    engine = llm.engine
+    for index in range(batch):
+        engine.add_request(f"p{index}", {"prompt_token_ids": list(range(1, 400))},
+                           SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=200))
+    for _ in range(40):
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        engine.step()
+    torch.cuda.synchronize()
+    print(f"steady decode at batch {batch}: {(time.perf_counter() - start) * 100:.2f} ms/step")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(num_steps):
+            engine.step()
+        torch.cuda.synchronize()
+    engine.abort_request([f"p{i}" for i in range(batch)])
+    while engine.has_unfinished_requests():
+        engine.step()
+    events = prof.key_averages()
+    total = sum(getattr(e, "self_device_time_total", 0.0) for e in events)
+    print(f"device busy {total / 1e3 / num_steps:.2f} ms/step; top kernels (us per step):")
+    for event in sorted(events, key=lambda e: -getattr(e, "self_device_time_total", 0.0))[:14]:
+        print(f"  {event.self_device_time_total / num_steps:9.1f}  {event.count / num_steps:5.1f}x  {event.key[:90]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--profile-batch", default="256,32")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(relativeCreated)8.0f ms %(name)s: %(message)s")
+    start = time.perf_counter()
+    llm = LLM(args.model, load_format="dummy", max_model_len=4096, seed=0)
+    print(f"STARTUP {time.perf_counter() - start:.1f} s")
+    logging.getLogger().setLevel(logging.WARNING)
+    prompts, max_tokens = random_workload(args.num_prompts, (100, 1024), (100, 1024), 0, 10000)
+    timed_steps(llm, prompts, max_tokens)
+    for batch in args.profile_batch.split(","):
+        profile_window(llm, int(batch))
+
+
+if __name__ == "__main__":
+    main()
