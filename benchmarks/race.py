@@ -27,7 +27,13 @@ VLLM_EXTRA = {"qwen3-next-24l": {"additional_config": {"gdn_prefill_backend": "t
 
 def run(cmd: list[str], log: Path, env: dict | None = None, timeout: int = 900) -> str:
     start = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=timeout)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})},
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as expired:  # keep what it printed: the log is the evidence
+        log.write_text(f"$ {' '.join(cmd)}\n[timed out after {timeout} s]\n{expired.stdout or ''}\n"
+                       f"--- stderr ---\n{expired.stderr or ''}")
+        raise SystemExit(f"timed out: {' '.join(cmd)} (log {log})") from None
     log.write_text(f"$ {' '.join(cmd)}\n[rc={proc.returncode}, {time.time() - start:.0f} s]\n"
                    f"{proc.stdout}\n--- stderr ---\n{proc.stderr}")
     if proc.returncode != 0:
@@ -80,7 +86,11 @@ def main() -> None:
     info = versions()
 
     model = HERE / "models" / args.model
-    weir = {size: weir_throughput(model, size, args.out_dir) for size in sizes}
+    weir = {}
+    for size in sizes:  # printed at once: a later timeout must not lose them
+        weir[size] = weir_throughput(model, size, args.out_dir)
+        print(f"weir {args.model} {size} requests: {weir[size]['output_tokens_per_second']:,.0f} out tok/s, "
+              f"start-up {weir[size]['startup_seconds']:.1f} s", flush=True)
     vllm_startup, vllm_rates = (None, {}) if args.skip_vllm else vllm_throughput(model, sizes, args.out_dir)
 
     records, rows = [], []

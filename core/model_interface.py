@@ -4,12 +4,14 @@ A model plugin registers ``ModelSpec(architecture, "pkg.module:XForCausalLM")``;
 
     class XForCausalLM(nn.Module):
         stacked_params: ClassVar[Sequence[tuple[str, str, str]]]
+        stacked_param_patterns: ClassVar[Sequence[tuple[str, str, str]]]  # optional
         ignored_checkpoint_patterns: ClassVar[Sequence[str]]
 
         def __init__(self, config: weir.config.ModelConfig): ...
         def forward(self, input_ids, positions, ctx) -> Tensor: ...
         def compute_logits(self, hidden_states) -> Tensor: ...
         def attention_layers(self) -> list[AttentionLayerSpec]: ...
+        def state_layers(self) -> list[GatedDeltaNetLayerSpec]: ...  # optional (hybrid models)
 
 - ``__init__`` reads ``config.hf_config`` (the transformers ``PretrainedConfig``) and
   ``config.max_model_len``; it runs under ``torch.device("meta")`` and must not initialise
@@ -18,6 +20,11 @@ A model plugin registers ``ModelSpec(architecture, "pkg.module:XForCausalLM")``;
 - ``stacked_params``: ``(fused_param, checkpoint_name, shard_id)`` entries such as
   ``("qkv_proj", "q_proj", "q")``: the checkpoint tensor ``...q_proj.weight`` is written into
   shard ``"q"`` of the ``MergedLinear`` at ``...qkv_proj`` (names match on whole dotted parts).
+- ``stacked_param_patterns``: ``(regex, parameter, shard id)`` rules for names a plain
+  substitution cannot map, such as per-expert tensors stacked into one parameter
+  (``weir.layers.moe.PER_EXPERT_PATTERNS``: ``...experts.7.up_proj.weight`` -> shard ``up.7`` of
+  ``...experts.gate_up_proj``); the parameter and shard are ``match.expand`` templates. A module
+  whose parameters have different shards lists them per parameter (``param_shard_ids(attr)``).
 - ``ignored_checkpoint_patterns``: regexes (``re.search``) of checkpoint names to skip, such as
   ``rotary_emb\\.inv_freq``. A checkpoint copy of a tied weight (``lm_head.weight`` when tied) is
   skipped without being listed.
@@ -28,8 +35,14 @@ A model plugin registers ``ModelSpec(architecture, "pkg.module:XForCausalLM")``;
   sampler needs (usually each request's last token).
 - ``attention_layers()``: one ``AttentionLayerSpec`` per layer that needs KV cache; the runner
   sizes and allocates the cache from them.
+- ``state_layers()`` (hybrid models): one spec per linear-attention layer; each gets per-request
+  state slots (``weir.linear_attention``), and the context carries ``linear_attn_backend``,
+  ``linear_attn_metadata`` and ``layer_states``. MoE layers call ``ctx.moe_backend``
+  (``weir.layers.moe.FusedExperts`` does).
 - Modules owning non-persistent buffers (cos/sin caches) define
-  ``materialize_buffers(device)``; the loader calls it after the weights are loaded.
+  ``materialize_buffers(device)``; modules that rearrange checkpoint layouts once (fused
+  projections regrouped for the forward) define ``process_weights_after_loading()``; the loader
+  calls both after the weights are loaded.
 """
 
 from __future__ import annotations
