@@ -67,15 +67,17 @@ class _Parent:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, platform, model_cls: type,
-                 choose_attention_backends: Callable[[set[str]], dict[str, type]], moe_backend_cls: type):
-        """``choose_attention_backends(layer_kinds) -> {kind: backend class}`` runs once the model
-        has declared its layer kinds (``PluginRegistry.select_attention_backends``)."""
+                 choose_attention_backends: Callable[[set[str]], dict[str, type]],
+                 choose_moe_backend: Callable[[], type]):
+        """The choosers run once the model is built: ``choose_attention_backends(layer_kinds) ->
+        {kind: backend class}`` (``PluginRegistry.select_attention_backends``), and
+        ``choose_moe_backend()`` only for models with MoE layers."""
         self.config = config
         self.platform = platform
         self.model_config = config.model
         self.tokenizer = load_tokenizer(config.model)
         logger.info("tokenizer loaded")
-        self.runner = ModelRunner(config, platform, model_cls, choose_attention_backends, moe_backend_cls)
+        self.runner = ModelRunner(config, platform, model_cls, choose_attention_backends, choose_moe_backend)
         prefix_caching = config.cache.enable_prefix_caching
         if prefix_caching and self.runner.state_layers:
             # A recurrent state cannot be rebuilt from cached KV blocks: a prefix hit would skip
@@ -107,13 +109,15 @@ class LLMEngine:
         platform = registry.select_platform(args.device)
         config = args.create_config(platform.device_type)
         model_cls = registry.resolve_model(config.model.architecture)
-        moe_backend_cls = registry.select_moe_backend(platform, args.moe_backend)
         logger.info("model %s (%s) on %s", config.model.model, config.model.architecture, platform.name)
 
         def choose_attention_backends(layer_kinds: set[str]) -> dict[str, type]:
             return registry.select_attention_backends(platform, layer_kinds, args.attention_backend)
 
-        return cls(config, platform, model_cls, choose_attention_backends, moe_backend_cls)
+        def choose_moe_backend() -> type:
+            return registry.select_moe_backend(platform, args.moe_backend)
+
+        return cls(config, platform, model_cls, choose_attention_backends, choose_moe_backend)
 
     # ---- requests ----------------------------------------------------------------------
 

@@ -40,6 +40,11 @@ class GatedDeltaNetLayerSpec:
     conv_kernel: int
     kind: str = GATED_DELTA_NET
 
+    def __post_init__(self):
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"layer {self.layer_idx}: {self.num_v_heads} value heads are not a multiple of "
+                             f"{self.num_k_heads} key heads")
+
     @property
     def key_dim(self) -> int:
         return self.num_k_heads * self.head_k_dim
@@ -131,7 +136,7 @@ class LinearAttentionBackend(ABC):
     def forward(
         self,
         layer: GatedDeltaNetLayerSpec,
-        mixed_qkv: torch.Tensor,  # [num_tokens, conv_dim] pre-conv q|k|v channels, model dtype
+        mixed_qkv: torch.Tensor,  # [num_tokens, conv_dim] pre-conv q|k|v channels; rows may be strided
         g: torch.Tensor,  # [num_tokens, num_v_heads] fp32 log-decay (<= 0)
         beta: torch.Tensor,  # [num_tokens, num_v_heads] in (0, 1)
         conv_weight: torch.Tensor,  # [conv_dim, conv_kernel]

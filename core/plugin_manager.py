@@ -158,7 +158,8 @@ class PluginRegistry:
         bases = _INTERFACES.get(attribute)
         if bases is not None and not (isinstance(target_cls, type) and issubclass(target_cls, bases)):
             registered = table[key]
-            names = " or ".join(f"{b.__module__}.{b.__name__}" for b in (bases if isinstance(bases, tuple) else (bases,)))
+            bases = bases if isinstance(bases, tuple) else (bases,)
+            names = " or ".join(f"{base.__module__}.{base.__name__}" for base in bases)
             raise PluginError(
                 f"plugin {registered.plugin_name!r} (package {registered.distribution}): target "
                 f"{registered.spec.target!r} is not a subclass of {names}"

@@ -8,9 +8,12 @@ does. Anything else is an error saying what is missing.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Callable
 
 from weir.platform import Platform
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from weir.plugin_manager import PluginRegistry  # noqa: F401
@@ -119,6 +122,11 @@ def _select(
         backend_cls = resolve(name)
         problems = missing(backend_cls)
         if not problems:
+            unavailable = [reason for reason in tried if "this environment" in reason]
+            if unavailable:
+                # A faster backend the platform prefers is installed badly or not at all: say so,
+                # since the fallback can be much slower (no CUDA graphs, host copies).
+                logger.warning("%s %r is used instead of a preferred one: %s", label, name, "; ".join(unavailable))
             return backend_cls
         tried.append(f"{name!r} does not support {' and '.join(problems)}")
     raise ValueError(

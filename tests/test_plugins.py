@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import types
 from pathlib import Path
 
@@ -159,7 +160,7 @@ def test_attention_backend_selection():
         registry.select_attention_backend(platform, {"full_attention"}, "flash")
 
 
-def test_hybrid_models_get_one_backend_per_layer_kind():
+def test_hybrid_models_get_one_backend_per_layer_kind(monkeypatch, caplog):
     from weir.plugins.attention.gdn_torch import TorchGDNBackend
     from weir.plugins.platforms.cuda import CudaPlatform
 
@@ -172,9 +173,11 @@ def test_hybrid_models_get_one_backend_per_layer_kind():
     assert registry.select_attention_backends(cpu, kinds, "gdn_torch") == expected
     with pytest.raises(ValueError, match="'triton' does not support device type 'cpu'"):
         registry.select_attention_backends(cpu, kinds, "triton")
-    # fla is not installed here: CUDA falls back to the torch DeltaNet, saying why it skipped fla.
+    # Without fla, CUDA falls back to the torch DeltaNet and warns, saying why it skipped fla.
+    monkeypatch.setitem(sys.modules, "fla", None)
     chosen = registry.select_attention_backends(CudaPlatform(), kinds)
     assert chosen["gated_delta_net"] is TorchGDNBackend
+    assert "'gdn_torch' is used instead of a preferred one: 'gdn_fla' does not support this environment" in caplog.text
     with pytest.raises(ValueError, match="gdn_fla.*does not support this environment"):
         registry.select_attention_backends(CudaPlatform(), {"gated_delta_net"}, "gdn_fla")
 

@@ -1,7 +1,8 @@
-"""Qwen3-Next against transformers, fp32 on the CPU (fla absent, so transformers runs its torch
-Gated DeltaNet; ``hf_reference`` runs it with fla blocked): logits and 32 greedy tokens for 8 prompts of different lengths, through
-chunked prefill (state carried across chunks), preemption, too few state slots, and both
-scheduling modes; plus the checkpoint layouts the loader must take."""
+"""Qwen3-Next against transformers, fp32 on the CPU (``hf_reference`` runs transformers with fla
+blocked, so its torch Gated DeltaNet is the reference): logits and 32 greedy tokens for 8
+prompts of different lengths, through chunked prefill (state carried across chunks), preemption,
+too few state slots, and both scheduling modes; plus the checkpoint layouts the loader must take
+and the errors for broken ones."""
 
 from __future__ import annotations
 
@@ -43,15 +44,21 @@ SCENARIOS = {
     "plain": {},
     "chunked_prefill": dict(max_num_batched_tokens=16),
     "preemption": dict(block_size=4, max_model_len=128, kv_cache_memory_bytes=kv_bytes_for_blocks(41, 4)),
-    "few_state_slots": dict(max_num_seqs=3),
+    "few_state_slots": {},  # memory for 2 state slots only: 8 requests take turns
 }
+# Both scheduling modes where state crosses steps in interesting ways; one mode elsewhere (CI time).
+RUNS = [("plain", True), ("chunked_prefill", True), ("chunked_prefill", False), ("preemption", True),
+        ("preemption", False), ("few_state_slots", True)]
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
-@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-def test_matches_transformers(checkpoint, references, scenario, async_scheduling):
+@pytest.mark.parametrize("scenario,async_scheduling", RUNS)
+def test_matches_transformers(checkpoint, references, scenario, async_scheduling, monkeypatch, caplog):
+    from weir.runner.model_runner import ModelRunner
+
     path = checkpoint
     prompts, expected = references
+    if scenario == "few_state_slots":  # room for 3 slots' state: 2 slots plus the padding slot
+        monkeypatch.setattr(ModelRunner, "_state_room_bytes", lambda self: 2 * 3 * self.state_bytes_per_slot)
     llm = LLM(str(path), device="cpu", dtype="float32", async_scheduling=async_scheduling, **SCENARIOS[scenario])
     watch = watch_engine(llm)
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
@@ -64,7 +71,8 @@ def test_matches_transformers(checkpoint, references, scenario, async_scheduling
     if scenario == "chunked_prefill":
         assert watch.num_steps > NUM_TOKENS + 70 // 16  # prompts needed several chunks
     if scenario == "few_state_slots":
-        assert engine.scheduler.kv_cache.state_slots.num_slots == 3
+        assert engine.scheduler.kv_cache.state_slots.num_slots == 2
+        assert "2 state slots, so at most 2 requests run at once" in caplog.text
     for output, (expected_tokens, expected_logits) in zip(outputs, expected):
         completion = output.outputs[0]
         assert completion.token_ids == expected_tokens
@@ -136,15 +144,48 @@ def test_fused_expert_layout_loads(checkpoint, references, tmp_path):
 
 
 def test_missing_expert_is_named(checkpoint, tmp_path):
+    def drop(weights):
+        del weights["model.layers.3.mlp.experts.5.up_proj.weight"]
+
+    broken = _rewritten_checkpoint(checkpoint, tmp_path / "broken", drop)
+    with pytest.raises(ValueError, match=r"lacks 1 tensor.*: model\.layers\.3\.mlp\.experts\.5\.up_proj\.weight$"):
+        LLM(str(broken), device="cpu", dtype="float32")
+
+
+def _rewritten_checkpoint(source, destination, edit):
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    path = checkpoint
-    broken = tmp_path / "broken"
-    shutil.copytree(path, broken)
-    weights = load_file(str(path / "model.safetensors"))
-    del weights["model.layers.3.mlp.experts.5.up_proj.weight"]
-    save_file(weights, str(broken / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"model\.layers\.3\.mlp\.experts\.up_proj.*up\.5|up\.5"):
+    shutil.copytree(source, destination)
+    weights = load_file(str(source / "model.safetensors"))
+    edit(weights)
+    save_file(weights, str(destination / "model.safetensors"), metadata={"format": "pt"})
+    return destination
+
+
+def test_expert_outside_the_config_is_named(checkpoint, tmp_path):
+    def add_expert(weights):
+        prefix = "model.layers.1.mlp.experts"
+        weights[f"{prefix}.9.up_proj.weight"] = weights[f"{prefix}.0.up_proj.weight"].clone()
+
+    broken = _rewritten_checkpoint(checkpoint, tmp_path / "extra", add_expert)
+    with pytest.raises(ValueError, match=r"experts\.9\.up_proj\.weight maps to shard 'up\.9'.*16: gate\.0 \.\.\. up\.7"):
         LLM(str(broken), device="cpu", dtype="float32")
+
+
+def test_fused_expert_tensor_of_the_wrong_shape_is_named(checkpoint, tmp_path):
+    fused = _fused_expert_checkpoint(checkpoint, tmp_path / "fused")
+
+    def truncate(weights):
+        weights["model.layers.2.mlp.experts.down_proj"] = weights["model.layers.2.mlp.experts.down_proj"][:7]
+
+    broken = _rewritten_checkpoint(fused, tmp_path / "broken", truncate)
+    with pytest.raises(ValueError, match=r"experts\.down_proj has shape \(7, 64, 32\).*expects \(8, 64, 32\)"):
+        LLM(str(broken), device="cpu", dtype="float32")
+
+
+def test_dense_models_need_no_moe_backend(tiny_llama_path, monkeypatch):
+    monkeypatch.setenv("WEIR_PLUGINS", "builtin_platforms,builtin_models,builtin_attention")
+    llm = LLM(str(tiny_llama_path), device="cpu", dtype="float32", max_model_len=64)
+    assert llm.engine.runner.moe_backend is None

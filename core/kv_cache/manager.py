@@ -56,7 +56,8 @@ class KVCacheManager:
         needs_state_slot = self.state_slots is not None and request.state_slot is None
         if needs_state_slot and self.state_slots.num_free == 0:
             return None
-        if not computed_blocks and not needs_state_slot and len(request.block_ids) * self.block_size >= num_tokens_after_step:
+        has_room = len(request.block_ids) * self.block_size >= num_tokens_after_step
+        if not computed_blocks and not needs_state_slot and has_room:
             # Decode's common case: the last block has room; at most a newly full block to cache.
             self._cache_full_blocks(request, num_tokens_after_step)
             return []

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 
 class StateSlotPool:
+    """Hands out slots ``0..num_slots-1``, each to one running request at a time."""
+
     def __init__(self, num_slots: int):
         if num_slots < 1:
             raise ValueError(f"a model with linear-attention layers needs at least 1 state slot, got {num_slots}")
         self.num_slots = num_slots
-        # Lowest slot first: a small batch keeps its states together.
+        # A stack: the most recently freed slot is reused first (its state is likely still cached).
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._held: set[int] = set()
 
@@ -31,12 +33,14 @@ class StateSlotPool:
         return slot
 
     def free(self, slot: int) -> None:
+        """Give ``slot`` back; freeing a slot that is not held is a bookkeeping bug, so it raises."""
         if slot not in self._held:
             raise ValueError(f"state slot {slot} is not held")
         self._held.remove(slot)
         self._free.append(slot)
 
     def check_invariants(self) -> None:
+        """Assert that every slot is either free or held, never both, never lost (tests call it)."""
         free = set(self._free)
         assert len(free) == len(self._free), "a state slot is free twice"
         assert not free & self._held, "a state slot is both free and held"

@@ -37,6 +37,11 @@ class FusedExperts(nn.Module):
             return tuple(f"gate.{e}" for e in experts) + tuple(f"up.{e}" for e in experts)
         return tuple(f"down.{e}" for e in experts)
 
+    def checkpoint_suffix(self, shard_id: str) -> str:
+        """The per-expert checkpoint name of a shard, relative to this module: ``up.5`` -> ``5.up_proj.weight``."""
+        kind, _, expert = shard_id.partition(".")
+        return f"{expert}.{kind}_proj.weight"
+
     def shard_slice(self, shard_id: str) -> tuple:
         """Index of shard ``kind.expert`` in its parameter."""
         kind, _, expert = shard_id.partition(".")

@@ -3,8 +3,9 @@
 A decode batch of ``num_reqs`` requests (one query token each) is padded to the next captured
 size and replayed from a graph that holds the whole model forward plus the logits. Padding
 requests point at the request table's spare row, whose block table is all null block, so
-they read and write only the null block (and, in hybrid models, only the padding state slot). Graphs are captured largest first into one memory
-pool (smaller batches reuse the larger ones' memory); the pool's size is measured, not guessed.
+they read and write only the null block (and, in hybrid models, only the padding state slot).
+Graphs are captured largest first into one memory pool (smaller batches reuse the larger ones'
+memory); the pool's size is measured, not guessed.
 """
 
 from __future__ import annotations

@@ -74,6 +74,12 @@ def profile_peak_bytes(runner) -> tuple[int, int]:
     def largest_step():
         query_lens = split_tokens(scheduler.max_num_batched_tokens, scheduler.max_model_len,
                                   scheduler.max_num_seqs)
+        if runner.state_layers:
+            # Linear-attention prefill gathers every request's state: the worst step is a full
+            # batch of decodes beside one prefill chunk, not a few long prompts.
+            num_decodes = min(runner.num_state_slots, scheduler.max_num_seqs, scheduler.max_num_batched_tokens) - 1
+            query_lens = [1] * num_decodes + split_tokens(
+                scheduler.max_num_batched_tokens - num_decodes, scheduler.max_model_len, scheduler.max_num_seqs)
         dummy_forward(runner, query_lens, scratch)
         num_rows = scheduler.max_num_seqs
         logits = torch.randn(num_rows, runner.config.model.vocab_size, device=runner.device)

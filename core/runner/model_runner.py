@@ -43,9 +43,11 @@ GiB = 2**30
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, platform: Platform, model_cls: type,
-                 choose_attention_backends: Callable[[set[str]], dict[str, type]], moe_backend_cls: type):
+                 choose_attention_backends: Callable[[set[str]], dict[str, type]],
+                 choose_moe_backend: Callable[[], type]):
         """``choose_attention_backends(layer_kinds)`` maps each layer kind the model declares to
-        a backend class (``PluginRegistry.select_attention_backends``)."""
+        a backend class (``PluginRegistry.select_attention_backends``); ``choose_moe_backend()``
+        is asked only when the model has MoE layers."""
         self.config = config
         self.platform = platform
         self.device = platform.device()
@@ -63,7 +65,8 @@ class ModelRunner:
         self.attn_layers = self.model.attention_layers()
         self.state_layers = list(getattr(self.model, "state_layers", list)())
         if not self.attn_layers:
-            raise ValueError(f"{model_cls.__name__} declares no full-attention layers; Weir's runner needs at least one")
+            raise ValueError(f"{model_cls.__name__} declares no full-attention layers; "
+                             "Weir's runner needs at least one")
         backends = choose_attention_backends({layer.kind for layer in self.attn_layers + self.state_layers})
         self.attn_backend = backends[self.attn_layers[0].kind](self.block_size, self.dtype, self.device)
         self.linear_attn_backend = None
@@ -72,10 +75,10 @@ class ModelRunner:
             if len(state_kinds) > 1:
                 raise ValueError(f"mixed linear-attention kinds {sorted(state_kinds)} are not supported")
             self.linear_attn_backend = backends[state_kinds.pop()](self.dtype, self.device)
-        self.moe_backend = moe_backend_cls()
         uses_moe = any(isinstance(module, FusedExperts) for module in self.model.modules())
+        self.moe_backend = choose_moe_backend()() if uses_moe else None
         logger.info("backends: attention %s", ", ".join(f"{kind}={cls.name}" for kind, cls in backends.items())
-                    + (f"; MoE {moe_backend_cls.name}" if uses_moe else ""))
+                    + (f"; MoE {self.moe_backend.name}" if uses_moe else ""))
         self.sampler = Sampler()
         num_layers = max(l.layer_idx for l in self.attn_layers + self.state_layers) + 1
         self.kv_caches: list[torch.Tensor | None] = [None] * num_layers
@@ -83,7 +86,7 @@ class ModelRunner:
 
         self.use_graphs = (platform.supports_graphs and self.attn_backend.supports_cuda_graphs
                            and (self.linear_attn_backend is None or self.linear_attn_backend.supports_cuda_graphs)
-                           and (not uses_moe or self.moe_backend.supports_cuda_graphs)
+                           and (self.moe_backend is None or self.moe_backend.supports_cuda_graphs)
                            and not config.enforce_eager and self.device.type == "cuda")
         self.max_graph_batch = min(config.scheduler.max_num_seqs, 512)
         self.num_state_slots = self._allocate_layer_states()
@@ -123,19 +126,20 @@ class ModelRunner:
         """Allocate every linear-attention layer's slot-indexed state; returns the slot count.
 
         One slot per schedulable request (``max_num_seqs``), unless that would take more than
-        half of the memory left after the weights; then as many as fit in that half.
+        half of the memory left after the weights; then as many as fit in that half. The KV
+        budget is what is left after the state (``_kv_budget_bytes``).
         """
         if not self.state_layers:
             return 0
-        bytes_per_slot = sum(self.linear_attn_backend.state_bytes_per_slot(layer, self.dtype)
-                             for layer in self.state_layers)
-        if self.device.type == "cpu":
-            room = self.platform.default_kv_cache_bytes(self.weight_bytes)
-        else:
-            free, total = self.platform.memory_info()
-            room = int(total * self.config.cache.gpu_memory_utilization) - (total - free)
+        bytes_per_slot = self.state_bytes_per_slot
+        room = self._state_room_bytes()
         max_num_seqs = self.config.scheduler.max_num_seqs
-        num_slots = max(1, min(max_num_seqs, (room // 2) // bytes_per_slot - 1))
+        num_slots = min(max_num_seqs, (room // 2) // bytes_per_slot - 1)  # - 1: the padding slot
+        if num_slots < 1:
+            raise ValueError(f"no room for linear-attention state: one request needs {bytes_per_slot / 2**20:.1f} "
+                             f"MiB across {len(self.state_layers)} layers, and half of the {room / GiB:.2f} GiB left "
+                             "after the weights is less than two of those (one is the padding slot); raise "
+                             "gpu_memory_utilization or use a device with more memory")
         if num_slots < max_num_seqs:
             logger.warning("linear-attention state for %d requests would not fit: %d state slots, so at most %d "
                            "requests run at once", max_num_seqs, num_slots, num_slots)
@@ -144,6 +148,17 @@ class ModelRunner:
         logger.info("linear-attention state: %d slots x %.1f MiB = %.2f GiB", num_slots, bytes_per_slot / 2**20,
                     (num_slots + 1) * bytes_per_slot / GiB)
         return num_slots
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        return sum(self.linear_attn_backend.state_bytes_per_slot(layer, self.dtype) for layer in self.state_layers)
+
+    def _state_room_bytes(self) -> int:
+        """Memory the state slots and the KV cache share: what is left after the weights."""
+        if self.device.type == "cpu":
+            return self.platform.default_kv_cache_bytes(self.weight_bytes)
+        free, total = self.platform.memory_info()
+        return int(total * self.config.cache.gpu_memory_utilization) - (total - free)
 
     def _zero_new_slots(self, out: SchedulerOutput) -> None:
         slots = [new.state_slot for new in out.new_reqs if new.state_slot is not None]
@@ -164,8 +179,10 @@ class ModelRunner:
         cache = self.config.cache
         if cache.kv_cache_memory_bytes is not None:
             return cache.kv_cache_memory_bytes
-        if self.device.type == "cpu":
-            return self.platform.default_kv_cache_bytes(self.weight_bytes)
+        if self.device.type == "cpu":  # the state slots came out of the same default allowance
+            state_bytes = (self.num_state_slots + 1) * self.state_bytes_per_slot if self.state_layers else 0
+            return self.platform.default_kv_cache_bytes(self.weight_bytes) - state_bytes
+        # Accelerators: the state is already allocated, so memory_info no longer counts it as free.
         step_peak, decode_peak = profile_peak_bytes(self)
         graph_reserve = decode_peak if self.use_graphs else 0
         # The request table allocates its [rows, vocab] penalty state (int32 counts + bool mask)
@@ -182,8 +199,9 @@ class ModelRunner:
     def _num_kv_blocks(self) -> int:
         budget = self._kv_budget_bytes()
         scheduler = self.config.scheduler
-        # More blocks than every row at full length can use would only waste memory.
-        most_useful = scheduler.max_num_seqs * self.max_blocks_per_req + 1
+        # More blocks than every request that can run at once can use at full length would waste memory.
+        max_running = min(scheduler.max_num_seqs, self.num_state_slots or scheduler.max_num_seqs)
+        most_useful = max_running * self.max_blocks_per_req + 1
         num_blocks = min(max(budget, 0) // self.kv_bytes_per_block, most_useful)
         if num_blocks - 1 < self.max_blocks_per_req:
             raise ValueError(

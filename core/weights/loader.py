@@ -67,6 +67,7 @@ def _shard_ids_of(owner: nn.Module, attr: str) -> tuple[str, ...]:
 
 class _CheckpointMapper:
     def __init__(self, model: nn.Module, model_cls: type):
+        self.model = model
         self.stacked = tuple(getattr(model_cls, "stacked_params", ()))
         self.patterns = [(re.compile(pattern), param, shard)
                          for pattern, param, shard in getattr(model_cls, "stacked_param_patterns", ())]
@@ -93,8 +94,11 @@ class _CheckpointMapper:
         return checkpoint_name, None
 
     def checkpoint_name(self, param_name: str, shard_id: str | None) -> str:
-        if self.patterns and shard_id is not None and not any(s == shard_id for *_, s in self.stacked):
-            return f"{param_name} (shard {shard_id})"
+        """The checkpoint name that would have written this parameter (shard)."""
+        owner, _ = _owner_and_attr(self.model, param_name)
+        suffix_of = getattr(owner, "checkpoint_suffix", None)
+        if shard_id is not None and callable(suffix_of):  # e.g. expert shards: "up.5" -> "5.up_proj.weight"
+            return f"{param_name.rpartition('.')[0]}.{suffix_of(shard_id)}"
         for fused, original, stacked_shard in self.stacked:
             if stacked_shard == shard_id and f".{fused}." in f".{param_name}":
                 return f".{param_name}".replace(f".{fused}.", f".{original}.", 1)[1:]
@@ -106,8 +110,10 @@ def _write(model: nn.Module, target: _ParamTarget, param_name: str, shard_id: st
            checkpoint_name: str, tensor: torch.Tensor) -> None:
     whole_write = shard_id is None and target.shard_ids != (None,)
     if shard_id not in target.shard_ids and not whole_write:
+        shards = target.shard_ids
+        listed = ", ".join(map(str, shards)) if len(shards) <= 8 else f"{len(shards)}: {shards[0]} ... {shards[-1]}"
         raise ValueError(f"checkpoint tensor {checkpoint_name} maps to shard {shard_id!r} of "
-                         f"{param_name}, which has shards {target.shard_ids}")
+                         f"{param_name}, which has shards ({listed})")
     if shard_id in target.written or (whole_write and target.written):
         raise ValueError(f"checkpoint tensor {checkpoint_name} appears more than once")
     destination = target.parameter.data

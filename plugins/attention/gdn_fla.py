@@ -76,8 +76,6 @@ class FlaGDNBackend(LinearAttentionBackend):
         """The base class's zeroed pools, after refusing shapes fla's kernels cannot run."""
         if layer.head_k_dim > MAX_HEAD_K_DIM:
             raise ValueError(f"the gdn_fla backend supports head_k_dim <= {MAX_HEAD_K_DIM}, got {layer.head_k_dim}")
-        if layer.num_v_heads % layer.num_k_heads:
-            raise ValueError(f"num_v_heads {layer.num_v_heads} is not a multiple of num_k_heads {layer.num_k_heads}")
         return super().allocate_state(num_slots, layer)
 
     def build_metadata(self, metadata: LinearAttentionMetadata) -> FlaGDNMetadata:
@@ -149,7 +147,7 @@ class FlaGDNBackend(LinearAttentionBackend):
                       chunk_indices=metadata.chunk_indices)
 
         conv_out, conv_final = causal_conv1d(
-            x=mixed_qkv[:num_tokens].unsqueeze(0), weight=conv_weight,
+            x=mixed_qkv[:num_tokens].contiguous().unsqueeze(0), weight=conv_weight,
             initial_state=state.conv_state.index_select(0, slots),  # [num_reqs, conv_dim, conv_kernel]
             output_final_state=True, activation="silu", **varlen,
         )  # [1, num_tokens, conv_dim], [num_reqs, conv_dim, conv_kernel]

@@ -87,9 +87,6 @@ def _check_shapes(
     layer: GatedDeltaNetLayerSpec, mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, state: LayerState
 ) -> None:
     """Fail loudly on a layer spec that does not match the tensors it is run with."""
-    if layer.num_v_heads % layer.num_k_heads != 0:
-        raise ValueError(f"layer {layer.layer_idx}: num_v_heads={layer.num_v_heads} is not a multiple of "
-                         f"num_k_heads={layer.num_k_heads}")
     if mixed_qkv.dim() != 2 or mixed_qkv.shape[1] != layer.conv_dim:
         raise ValueError(f"layer {layer.layer_idx}: mixed_qkv has shape {tuple(mixed_qkv.shape)}, "
                          f"expected [num_tokens, {layer.conv_dim}]")

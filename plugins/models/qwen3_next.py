@@ -68,7 +68,7 @@ class GatedAttention(nn.Module):
             q_part = tensor.data[q_rows]  # [2 * H * D, ...]
             trailing = q_part.shape[1:]
             regrouped = q_part.reshape(self.num_heads, 2, self.head_dim, *trailing).transpose(0, 1)
-            q_part.copy_(regrouped.reshape(q_part.shape).clone())
+            q_part.copy_(regrouped.reshape(q_part.shape))  # reshape of the transposed view copies
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
@@ -102,9 +102,6 @@ class GatedDeltaNet(nn.Module):
             num_v_heads=hf_config.linear_num_value_heads, head_k_dim=hf_config.linear_key_head_dim,
             head_v_dim=hf_config.linear_value_head_dim, conv_kernel=hf_config.linear_conv_kernel_dim)
         spec = self.spec
-        if spec.num_v_heads % spec.num_k_heads:
-            raise ValueError(f"linear_num_value_heads={spec.num_v_heads} is not a multiple of "
-                             f"linear_num_key_heads={spec.num_k_heads}")
         self.in_proj = MergedLinear(hf_config.hidden_size, {
             "qkvz": 2 * spec.key_dim + 2 * spec.value_dim, "ba": 2 * spec.num_v_heads})
         self.conv1d = DepthwiseConvWeight(spec.conv_dim, spec.conv_kernel)
@@ -136,7 +133,7 @@ class GatedDeltaNet(nn.Module):
             [spec.conv_dim, spec.value_dim, spec.num_v_heads, spec.num_v_heads], dim=-1)
         g, beta = delta_net_gates(a, b, self.A_log, self.dt_bias)  # [num_tokens, HV] each
         core_out = ctx.linear_attn_backend.forward(
-            spec, mixed_qkv.contiguous(), g, beta, self.conv1d.weight.squeeze(1),
+            spec, mixed_qkv, g, beta, self.conv1d.weight.squeeze(1),
             ctx.layer_states[spec.layer_idx], ctx.linear_attn_metadata)  # [num_tokens, HV, Dv]
         gated = self.norm(core_out, z.view(num_tokens, spec.num_v_heads, spec.head_v_dim))
         return self.out_proj(gated.reshape(num_tokens, spec.value_dim))
@@ -171,6 +168,8 @@ class DenseMLP(GatedMLP):
 
 
 class Qwen3NextDecoderLayer(nn.Module):
+    """Pre-norm block: a Gated DeltaNet or gated-attention mixer, then the (sparse) MLP."""
+
     def __init__(self, hf_config: Any, layer_idx: int, layer_type: str, rotary_emb: RotaryEmbedding):
         super().__init__()
         hidden = hf_config.hidden_size
@@ -186,8 +185,13 @@ class Qwen3NextDecoderLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(hidden, hf_config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(hidden, hf_config.rms_norm_eps)
 
-    def forward(self, positions, hidden_states, residual, ctx: ForwardContext):
-        # hidden_states, residual: [num_tokens, hidden]; residual is None before the first layer
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden_states: torch.Tensor,  # [num_tokens, hidden]
+        residual: torch.Tensor | None,  # [num_tokens, hidden]; None before the first layer
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
@@ -200,6 +204,8 @@ class Qwen3NextDecoderLayer(nn.Module):
 
 
 class Qwen3NextModel(nn.Module):
+    """Embedding, the decoder layers (one shared partial-RoPE cache) and the final norm."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         hf_config = config.hf_config
