@@ -54,6 +54,7 @@ class CacheConfig:
     enable_prefix_caching: bool
     kv_cache_memory_bytes: int | None  # None: size from the platform's free memory
     gpu_memory_utilization: float
+    linear_state_dtype: torch.dtype = torch.float32  # recurrent states of linear-attention layers
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,9 @@ class EngineArgs:
         "KV cache size in bytes (default: from free memory)"))
     gpu_memory_utilization: float = field(default=0.9, metadata=_help(
         "fraction of accelerator memory Weir may use"))
+    linear_state_dtype: str = field(default="float32", metadata=_help(
+        "dtype of linear-attention recurrent states: float32 (as transformers keeps them), or bfloat16 / "
+        "float16 for half their memory and traffic (vLLM keeps them in the model dtype)"))
     async_scheduling: bool = field(default=True, metadata=_help(
         "schedule the next step while the current one runs"))
     tensor_parallel_size: int = field(default=1, metadata=_help("devices to shard the model over"))
@@ -161,7 +165,8 @@ class EngineArgs:
         return EngineConfig(
             model=model_cfg,
             cache=CacheConfig(self.block_size, self.enable_prefix_caching,
-                              self.kv_cache_memory_bytes, self.gpu_memory_utilization),
+                              self.kv_cache_memory_bytes, self.gpu_memory_utilization,
+                              _DTYPES[self.linear_state_dtype]),
             scheduler=SchedulerConfig(max_num_seqs, max_batched, max_model_len,
                                       self.async_scheduling),
             parallel=ParallelConfig(self.tensor_parallel_size),
@@ -180,6 +185,8 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in _DTYPES and self.dtype != "auto":
             raise ValueError(f"dtype must be auto or one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.linear_state_dtype not in _DTYPES:
+            raise ValueError(f"linear_state_dtype must be one of {', '.join(_DTYPES)}, got {self.linear_state_dtype!r}")
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet")
         if self.load_format not in _LOAD_FORMATS:

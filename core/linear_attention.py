@@ -6,7 +6,8 @@ layer's state tensors are indexed by slot:
 
 - ``conv_state [num_slots + 1, conv_dim, conv_kernel]``: the last ``conv_kernel`` inputs of the
   causal depthwise conv (model dtype), oldest first, as transformers and fla keep them;
-- ``recurrent_state [num_slots + 1, num_v_heads, head_k_dim, head_v_dim]``: fp32, ``o = q^T S``.
+- ``recurrent_state [num_slots + 1, num_v_heads, head_k_dim, head_v_dim]``: ``o = q^T S``; fp32 by
+  default (``linear_state_dtype``), always updated in fp32 and rounded only when stored.
 
 The extra last slot (index ``num_slots``) absorbs the writes of CUDA-graph padding requests.
 A slot is zeroed by the runner when a request is admitted into it, so a backend always reads the
@@ -78,7 +79,7 @@ class LayerState:
     """One linear-attention layer's state tensors, indexed by slot."""
 
     conv_state: torch.Tensor  # [num_slots + 1, conv_dim, conv_kernel], model dtype
-    recurrent_state: torch.Tensor  # [num_slots + 1, num_v_heads, head_k_dim, head_v_dim] fp32
+    recurrent_state: torch.Tensor  # [num_slots + 1, num_v_heads, head_k_dim, head_v_dim], state_dtype
 
     def zero_slots(self, slots: torch.Tensor) -> None:
         """Reset the given slots (int64 device indices) for newly admitted requests."""
@@ -100,9 +101,11 @@ class LinearAttentionBackend(ABC):
     # Decode (max_query_len == 1) needs no host values and launches a fixed grid per batch size.
     supports_cuda_graphs: ClassVar[bool] = False
 
-    def __init__(self, dtype: torch.dtype, device: torch.device):
+    def __init__(self, dtype: torch.dtype, device: torch.device, state_dtype: torch.dtype = torch.float32):
+        """``dtype``: the model's (inputs, outputs, conv state); ``state_dtype``: the recurrent state's."""
         self.dtype = dtype
         self.device = device
+        self.state_dtype = state_dtype
 
     @classmethod
     def supports(cls, device_type: str, layer_kinds: set[str]) -> bool:
@@ -119,13 +122,12 @@ class LinearAttentionBackend(ABC):
             conv_state=torch.zeros(num_slots + 1, layer.conv_dim, layer.conv_kernel,
                                    dtype=self.dtype, device=self.device),
             recurrent_state=torch.zeros(num_slots + 1, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim,
-                                        dtype=torch.float32, device=self.device),
+                                        dtype=self.state_dtype, device=self.device),
         )
 
-    @staticmethod
-    def state_bytes_per_slot(layer: GatedDeltaNetLayerSpec, dtype: torch.dtype) -> int:
-        conv = layer.conv_dim * layer.conv_kernel * dtype.itemsize
-        recurrent = layer.num_v_heads * layer.head_k_dim * layer.head_v_dim * 4
+    def state_bytes_per_slot(self, layer: GatedDeltaNetLayerSpec) -> int:
+        conv = layer.conv_dim * layer.conv_kernel * self.dtype.itemsize
+        recurrent = layer.num_v_heads * layer.head_k_dim * layer.head_v_dim * self.state_dtype.itemsize
         return conv + recurrent
 
     def build_metadata(self, metadata: LinearAttentionMetadata) -> LinearAttentionMetadata:

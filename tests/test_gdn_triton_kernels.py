@@ -170,7 +170,29 @@ def check_backend_decode_steps(device, dtype=torch.float32, layer=SMALL):
     assert torch.equal(state.recurrent_state[UNTOUCHED_SLOTS], before.recurrent_state[UNTOUCHED_SLOTS])
 
 
-CHECKS = [check_conv_decode_step, check_gdn_decode_step, check_backend_decode_steps]
+def check_gdn_decode_step_16bit_state(device):
+    """A bfloat16 state pool (``linear_state_dtype``): the update runs in fp32 from the stored
+    values and is rounded once, so the result is the fp32 step of the rounded state, rounded."""
+    layer = SMALL
+    num_reqs = len(STATE_INDICES)
+    qkv = _randn(num_reqs, layer.conv_dim, device=device, dtype=torch.float32, seed=4)
+    g, beta = _gates(num_reqs, layer.num_v_heads, device, torch.float32, seed=5)
+    recurrent = _recurrent_pool(layer, device, seed=7).bfloat16()
+    before = recurrent.clone()
+    out = torch.empty(num_reqs, layer.num_v_heads, layer.head_v_dim, dtype=torch.float32, device=device)
+    slots = STATE_INDICES[:NUM_REAL]
+    expected_out, expected_state = reference_gdn_step(qkv[:NUM_REAL], g[:NUM_REAL], beta[:NUM_REAL],
+                                                      before[slots].float(), layer)
+    _kernels().gdn_decode_step(qkv, g, beta, recurrent, _state_indices(device), out,
+                               num_k_heads=layer.num_k_heads, head_k_dim=layer.head_k_dim, block_v=8)
+    _assert_close(out[:NUM_REAL], expected_out, torch.float32)
+    assert recurrent.dtype == torch.bfloat16
+    _assert_close(recurrent[slots], expected_state.bfloat16(), torch.bfloat16)
+    assert torch.equal(recurrent[UNTOUCHED_SLOTS], before[UNTOUCHED_SLOTS])
+
+
+CHECKS = [check_conv_decode_step, check_gdn_decode_step, check_gdn_decode_step_16bit_state,
+          check_backend_decode_steps]
 
 
 def run_checks(device: str) -> None:
@@ -193,8 +215,8 @@ def test_launchers_refuse_wrong_inputs():
     with pytest.raises(ValueError, match="state_indices must be int32"):
         kernels.gdn_decode_step(qkv, g, beta, recurrent, torch.zeros(2, dtype=torch.int64), out,
                                 num_k_heads=layer.num_k_heads, head_k_dim=layer.head_k_dim)
-    with pytest.raises(ValueError, match="fp32 recurrent_state"):
-        kernels.gdn_decode_step(qkv, g, beta, recurrent.bfloat16(), torch.zeros(2, dtype=torch.int32), out,
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16 recurrent_state"):
+        kernels.gdn_decode_step(qkv, g, beta, recurrent.double(), torch.zeros(2, dtype=torch.int32), out,
                                 num_k_heads=layer.num_k_heads, head_k_dim=layer.head_k_dim)
     with pytest.raises(ValueError, match="disagree"):
         kernels.conv_decode_step(qkv, torch.zeros(3, layer.conv_dim + 1, 4), torch.zeros(layer.conv_dim, 4),

@@ -189,3 +189,53 @@ def test_dense_models_need_no_moe_backend(tiny_llama_path, monkeypatch):
     monkeypatch.setenv("WEIR_PLUGINS", "builtin_platforms,builtin_models,builtin_attention")
     llm = LLM(str(tiny_llama_path), device="cpu", dtype="float32", max_model_len=64)
     assert llm.engine.runner.moe_backend is None
+
+
+def test_16bit_recurrent_state(checkpoint, references):
+    """``linear_state_dtype="bfloat16"`` stores the recurrent states rounded (half the bytes); the
+    maths stays fp32, so the results stay close to the fp32 reference."""
+    prompts, expected = references
+    llm = LLM(str(checkpoint), device="cpu", dtype="float32", linear_state_dtype="bfloat16")
+    states = [state for state in llm.engine.runner.layer_states if state is not None]
+    assert states and all(state.recurrent_state.dtype == torch.bfloat16 for state in states)
+    assert all(state.conv_state.dtype == torch.float32 for state in states)  # the model dtype
+    watch = watch_engine(llm)
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for output, (expected_tokens, expected_logits) in zip(outputs, expected):
+        logits = torch.stack(watch.logits[output.request_id][:4])
+        rel_err = ((logits - expected_logits[:4]).abs().max() / expected_logits.abs().max()).item()
+        assert 0 < rel_err < 2e-2, f"request {output.request_id}: {rel_err:.1e}"
+        assert output.outputs[0].token_ids[:4] == expected_tokens[:4]
+    assert_nothing_held(llm)
+    with pytest.raises(ValueError, match="linear_state_dtype must be one of"):
+        LLM(str(checkpoint), device="cpu", linear_state_dtype="int8")
+
+
+def test_served_over_http_with_concurrent_streams(checkpoint, references):
+    """Qwen3-Next behind the OpenAI server: eight concurrent streamed completions (more than the
+    three state slots, so some wait for one) each give the text of the reference's greedy tokens
+    (as Weir's detokenizer renders them offline)."""
+    import concurrent.futures
+
+    import openai
+
+    from server_inprocess import serve_in_thread
+
+    prompts, expected = references
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    offline = LLM(str(checkpoint), device="cpu", max_model_len=256).generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in offline] == [tokens[:8] for tokens, _ in expected]
+    with serve_in_thread(checkpoint, max_num_seqs=3) as (port, _, _):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+
+        def stream(prompt_ids):
+            chunks = client.completions.create(model="tiny", prompt=prompt_ids, max_tokens=8, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+            return "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(stream, prompts))
+    assert texts == [o.outputs[0].text for o in offline]

@@ -74,7 +74,8 @@ class ModelRunner:
             state_kinds = {layer.kind for layer in self.state_layers}
             if len(state_kinds) > 1:
                 raise ValueError(f"mixed linear-attention kinds {sorted(state_kinds)} are not supported")
-            self.linear_attn_backend = backends[state_kinds.pop()](self.dtype, self.device)
+            self.linear_attn_backend = backends[state_kinds.pop()](self.dtype, self.device,
+                                                                   config.cache.linear_state_dtype)
         uses_moe = any(isinstance(module, FusedExperts) for module in self.model.modules())
         self.moe_backend = choose_moe_backend()() if uses_moe else None
         logger.info("backends: attention %s", ", ".join(f"{kind}={cls.name}" for kind, cls in backends.items())
@@ -151,7 +152,7 @@ class ModelRunner:
 
     @property
     def state_bytes_per_slot(self) -> int:
-        return sum(self.linear_attn_backend.state_bytes_per_slot(layer, self.dtype) for layer in self.state_layers)
+        return sum(self.linear_attn_backend.state_bytes_per_slot(layer) for layer in self.state_layers)
 
     def _state_room_bytes(self) -> int:
         """Memory the state slots and the KV cache share: what is left after the weights."""

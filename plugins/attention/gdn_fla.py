@@ -161,8 +161,8 @@ class FlaGDNBackend(LinearAttentionBackend):
         core_out, recurrent_final = chunk_gated_delta_rule(
             q=q, k=k, v=v, g=g[:num_tokens].unsqueeze(0), beta=beta[:num_tokens].unsqueeze(0),
             scale=layer.head_k_dim ** -0.5,
-            initial_state=state.recurrent_state.index_select(0, slots),  # [num_reqs, HV, Dk, Dv] fp32
+            initial_state=state.recurrent_state.index_select(0, slots).float(),  # [num_reqs, HV, Dk, Dv] fp32
             output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=FLA_CHUNK_SIZE, **varlen,
         )  # [1, T, HV, Dv], [num_reqs, HV, Dk, Dv] fp32
-        state.recurrent_state.index_copy_(0, slots, recurrent_final)
+        state.recurrent_state.index_copy_(0, slots, recurrent_final.to(state.recurrent_state.dtype))
         return core_out[0]  # fla's own buffer: no copy

@@ -79,7 +79,7 @@ class TorchGDNBackend(LinearAttentionBackend):
         v = v.reshape(batch, seq_len, layer.num_v_heads, layer.head_v_dim)
         delta_rule = recurrent_gated_delta_rule if seq_len == 1 else chunk_gated_delta_rule
         core_out, new_recurrent_state = delta_rule(q, k, v, g, beta, initial_state=state.recurrent_state[slots])
-        state.recurrent_state.index_copy_(0, slots, new_recurrent_state)
+        state.recurrent_state.index_copy_(0, slots, new_recurrent_state.to(state.recurrent_state.dtype))
         return core_out
 
 

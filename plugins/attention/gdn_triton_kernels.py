@@ -88,12 +88,12 @@ def gdn_decode_kernel(
     state_tile = (state_ptr + slot * stride_s_slot + v_head * stride_s_head
                   + rows_k[:, None] * stride_s_k + cols_v[None, :])  # [BLOCK_K, BLOCK_V]
     tile_mask = mask_k[:, None] & mask_v[None, :]
-    state = tl.load(state_tile, mask=tile_mask, other=0.0) * decay  # [BLOCK_K, BLOCK_V]
+    state = tl.load(state_tile, mask=tile_mask, other=0.0).to(tl.float32) * decay  # [BLOCK_K, BLOCK_V]
     predicted_v = tl.sum(state * k[:, None], axis=0)  # [BLOCK_V]: S^T k, what the state recalls for k
     correction = beta * (v - predicted_v)  # [BLOCK_V]
     state = state + k[:, None] * correction[None, :]
     out = tl.sum(state * q[:, None], axis=0)  # [BLOCK_V]: S^T q
-    tl.store(state_tile, state, mask=tile_mask)
+    tl.store(state_tile, state.to(state_ptr.dtype.element_ty), mask=tile_mask)  # fp32 math, one rounding
     tl.store(out_ptr + req.to(tl.int64) * stride_o_req + v_head * stride_o_head + cols_v,
              out.to(out_ptr.dtype.element_ty), mask=mask_v)
 
@@ -129,7 +129,8 @@ def gdn_decode_step(mixed_qkv, g, beta, recurrent_state, state_indices, out, *, 
     """One gated delta-rule step per request, on the request's slot of ``recurrent_state``.
 
     ``mixed_qkv [B, conv_dim]`` is the conv output (q | k | v channels), ``g [B, HV]`` fp32
-    log-decay, ``beta [B, HV]``, ``recurrent_state [S, HV, Dk, Dv]`` fp32 (updated in place),
+    log-decay, ``beta [B, HV]``, ``recurrent_state [S, HV, Dk, Dv]`` (fp32, or a 16-bit float: the
+    update runs in fp32 and is rounded once when stored; updated in place),
     ``state_indices [B]`` int32, ``out [B, HV, Dv]`` (written and returned). q and k are
     L2-normalised in fp32 and q is scaled by ``Dk ** -0.5``; value head h uses q/k head
     ``h // (HV // H)``.
@@ -142,8 +143,9 @@ def gdn_decode_step(mixed_qkv, g, beta, recurrent_state, state_indices, out, *, 
     if recurrent_state.shape[2] != head_k_dim or mixed_qkv.shape[1] != 2 * key_dim + num_v_heads * head_v_dim:
         raise ValueError(f"gdn_decode_step: mixed_qkv {tuple(mixed_qkv.shape)} and recurrent_state "
                          f"{tuple(recurrent_state.shape)} do not match {num_k_heads} k heads of {head_k_dim}")
-    if not recurrent_state.is_floating_point() or recurrent_state.element_size() != 4:
-        raise ValueError(f"gdn_decode_step needs an fp32 recurrent_state, got {recurrent_state.dtype}")
+    if not recurrent_state.is_floating_point() or recurrent_state.element_size() not in (2, 4):
+        raise ValueError(f"gdn_decode_step needs a float32, bfloat16 or float16 recurrent_state, "
+                         f"got {recurrent_state.dtype}")
     for name, gate in (("g", g), ("beta", beta)):
         if tuple(gate.shape) != (num_reqs, num_v_heads) or gate.stride(1) != 1:
             raise ValueError(f"gdn_decode_step: {name} must be [{num_reqs}, {num_v_heads}] with contiguous heads, "
