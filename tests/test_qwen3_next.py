@@ -58,7 +58,9 @@ def test_matches_transformers(checkpoint, references, scenario, async_scheduling
     path = checkpoint
     prompts, expected = references
     if scenario == "few_state_slots":  # room for 3 slots' state: 2 slots plus the padding slot
-        monkeypatch.setattr(ModelRunner, "_state_room_bytes", lambda self: 2 * 3 * self.state_bytes_per_slot)
+        monkeypatch.setattr(ModelRunner, "_state_room_bytes",
+                            lambda self: 2 * 3 * sum(self.linear_attn_backend.state_bytes_per_slot(layer)
+                                                     for layer in self.state_layers))
     llm = LLM(str(path), device="cpu", dtype="float32", async_scheduling=async_scheduling, **SCENARIOS[scenario])
     watch = watch_engine(llm)
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)

@@ -7,7 +7,7 @@ into the table on the device, and results come back through an ``AsyncOutput``. 
 ``execute`` reads a device value on the host. Decode-only batches replay CUDA graphs.
 
 Hybrid models also declare linear-attention layers (``state_layers()``): each gets slot-indexed
-state tensors (``weir.linear_attention``); a request's slot is zeroed when it is admitted.
+state tensors (``weir.runner.linear_state``); a request's slot is zeroed when it is admitted.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from weir.attention import AttentionMetadata, ForwardContext
 from weir.config import EngineConfig
 from weir.layers.moe import FusedExperts
 from weir.linear_attention import LayerState, LinearAttentionMetadata
+from weir.runner.linear_state import LinearAttentionState
 from weir.platform import Platform
 from weir.runner.async_output import AsyncOutput
 from weir.runner.cuda_graphs import CudaGraphRunner, default_capture_sizes
@@ -124,35 +125,14 @@ class ModelRunner:
     # ---- linear-attention state ----------------------------------------------------------
 
     def _allocate_layer_states(self) -> int:
-        """Allocate every linear-attention layer's slot-indexed state; returns the slot count.
-
-        One slot per schedulable request (``max_num_seqs``), unless that would take more than
-        half of the memory left after the weights; then as many as fit in that half. The KV
-        budget is what is left after the state (``_kv_budget_bytes``).
-        """
+        """Slot-indexed state for the linear-attention layers (none: 0 slots)."""
         if not self.state_layers:
             return 0
-        bytes_per_slot = self.state_bytes_per_slot
-        room = self._state_room_bytes()
-        max_num_seqs = self.config.scheduler.max_num_seqs
-        num_slots = min(max_num_seqs, (room // 2) // bytes_per_slot - 1)  # - 1: the padding slot
-        if num_slots < 1:
-            raise ValueError(f"no room for linear-attention state: one request needs {bytes_per_slot / 2**20:.1f} "
-                             f"MiB across {len(self.state_layers)} layers, and half of the {room / GiB:.2f} GiB left "
-                             "after the weights is less than two of those (one is the padding slot); raise "
-                             "gpu_memory_utilization or use a device with more memory")
-        if num_slots < max_num_seqs:
-            logger.warning("linear-attention state for %d requests would not fit: %d state slots, so at most %d "
-                           "requests run at once", max_num_seqs, num_slots, num_slots)
-        for layer in self.state_layers:
-            self.layer_states[layer.layer_idx] = self.linear_attn_backend.allocate_state(num_slots, layer)
-        logger.info("linear-attention state: %d slots x %.1f MiB = %.2f GiB", num_slots, bytes_per_slot / 2**20,
-                    (num_slots + 1) * bytes_per_slot / GiB)
-        return num_slots
-
-    @property
-    def state_bytes_per_slot(self) -> int:
-        return sum(self.linear_attn_backend.state_bytes_per_slot(layer) for layer in self.state_layers)
+        self.linear_state = LinearAttentionState(
+            self.linear_attn_backend, self.state_layers, len(self.layer_states),
+            self.config.scheduler.max_num_seqs, self._state_room_bytes())
+        self.layer_states = self.linear_state.layer_states
+        return self.linear_state.num_slots
 
     def _state_room_bytes(self) -> int:
         """Memory the state slots and the KV cache share: what is left after the weights."""
@@ -160,14 +140,6 @@ class ModelRunner:
             return self.platform.default_kv_cache_bytes(self.weight_bytes)
         free, total = self.platform.memory_info()
         return int(total * self.config.cache.gpu_memory_utilization) - (total - free)
-
-    def _zero_new_slots(self, out: SchedulerOutput) -> None:
-        slots = [new.state_slot for new in out.new_reqs if new.state_slot is not None]
-        if not slots or not self.state_layers:
-            return
-        slot_ids = host_to_device(np.asarray(slots, dtype=np.int64), self.device, self.pin_memory)
-        for layer in self.state_layers:
-            self.layer_states[layer.layer_idx].zero_slots(slot_ids)
 
     # ---- KV cache sizing ---------------------------------------------------------------
 
@@ -181,7 +153,7 @@ class ModelRunner:
         if cache.kv_cache_memory_bytes is not None:
             return cache.kv_cache_memory_bytes
         if self.device.type == "cpu":  # the state slots came out of the same default allowance
-            state_bytes = (self.num_state_slots + 1) * self.state_bytes_per_slot if self.state_layers else 0
+            state_bytes = self.linear_state.total_bytes if self.state_layers else 0
             return self.platform.default_kv_cache_bytes(self.weight_bytes) - state_bytes
         # Accelerators: the state is already allocated, so memory_info no longer counts it as free.
         step_peak, decode_peak = profile_peak_bytes(self)
@@ -224,7 +196,8 @@ class ModelRunner:
         for req_id, block_ids in zip(out.cached_reqs.req_ids, out.cached_reqs.new_block_ids):
             self.table.append_blocks(req_id, block_ids)
         self.table.apply_staged_writes()
-        self._zero_new_slots(out)
+        if self.state_layers:
+            self.linear_state.zero_slots([new.state_slot for new in out.new_reqs], self.device, self.pin_memory)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> AsyncOutput | None:
