@@ -11,7 +11,7 @@ case "${1:-tests}" in
   tests)
     timeout 120 python3 scripts/bench_moe.py > "$OUT/bench_moe.log" 2>&1; tail -15 "$OUT/bench_moe.log"
     timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_moe_triton.py \
-      tests/test_gdn_triton_kernels.py tests/test_gpu_qwen3_next.py ${GPU_TESTS:-} > "$OUT/gpu-tests.log" 2>&1
+      tests/test_gdn_triton_kernels.py tests/test_gpu_qwen3_next.py tests/test_gated_kernels.py ${GPU_TESTS:-} > "$OUT/gpu-tests.log" 2>&1
     tail -40 "$OUT/gpu-tests.log" ;;
   bench)
     timeout 400 weir bench throughput benchmarks/models/qwen3-next-24l --load-format dummy --num-prompts 256 \
