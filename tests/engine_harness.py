@@ -85,3 +85,30 @@ def hf_greedy_with(model, prompt_token_ids: list[int], num_tokens: int) -> tuple
         tokens.append(int(step_logits.argmax()))
         out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
     return tokens, torch.stack(logits)
+
+
+def assert_steps_do_not_sync(llm: LLM, num_requests: int = 24, num_steps: int = 20) -> None:
+    """Sampled decode steps on CUDA under ``set_sync_debug_mode("error")``: any implicit sync
+    (``.item()``, an unpinned copy...) raises. The host may wait only on the copy event of the
+    step before. Every request then finishes and nothing stays held."""
+    import random
+
+    from weir import SamplingParams
+
+    engine = llm.engine
+    rng = random.Random(1)
+    for index in range(num_requests):
+        engine.add_request(str(index), {"prompt_token_ids": [rng.randrange(256) for _ in range(40 + index)]},
+                           SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, ignore_eos=True, seed=index))
+    for _ in range(4):  # prefill and warm-up
+        engine.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(num_steps):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_nothing_held(llm)

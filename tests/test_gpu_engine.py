@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from engine_harness import assert_nothing_held
+from engine_harness import assert_nothing_held, assert_steps_do_not_sync
 from helpers_models import make_tiny_qwen3
 from weir import LLM, SamplingParams
 
@@ -93,21 +93,4 @@ def test_default_model_bf16_matches_transformers():
 
 
 def test_no_implicit_sync_in_the_step_loop(qwen3_path):
-    llm = LLM(str(qwen3_path), dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=512)
-    engine = llm.engine
-    rng = random.Random(1)
-    for index in range(24):
-        engine.add_request(str(index), {"prompt_token_ids": [rng.randrange(256) for _ in range(40 + index)]},
-                           SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, ignore_eos=True, seed=index))
-    for _ in range(4):  # prefill and warm-up
-        engine.step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")  # implicit syncs (.item(), unpinned copies...) raise
-    try:
-        for _ in range(20):  # the host waits only on the copy event of the step before
-            engine.step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert_nothing_held(llm)
+    assert_steps_do_not_sync(LLM(str(qwen3_path), dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=512))

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from engine_harness import assert_nothing_held, watch_engine
+from engine_harness import assert_nothing_held, assert_steps_do_not_sync, watch_engine
 from helpers_models import make_tiny_qwen3_next
 from hf_reference import hf_greedy_in_subprocess
 from weir import LLM, SamplingParams
@@ -73,24 +73,7 @@ def test_bf16_parity_through_fla_and_triton_moe(checkpoint):
 
 
 def test_no_implicit_sync_in_decode(checkpoint):
-    llm = LLM(str(checkpoint), dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=512)
-    engine = llm.engine
-    rng = random.Random(1)
-    for index in range(24):
-        engine.add_request(str(index), {"prompt_token_ids": [rng.randrange(256) for _ in range(40 + index)]},
-                           SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, ignore_eos=True, seed=index))
-    for _ in range(4):  # prefill and warm-up
-        engine.step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(20):
-            engine.step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert_nothing_held(llm)
+    assert_steps_do_not_sync(LLM(str(checkpoint), dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=512))
 
 
 def test_16bit_recurrent_state_through_fla(checkpoint):
