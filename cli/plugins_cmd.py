@@ -65,9 +65,12 @@ def describe_plugins(registry: PluginRegistry) -> list[dict[str, Any]]:
                 row["reason"] = no_platform_reason
             else:
                 device_type = active_platform.device_type
-                row["available"] = device_type in target_cls.supported_devices
-                if not row["available"]:
+                missing_package = getattr(target_cls, "unavailable_reason", lambda: None)()
+                row["available"] = device_type in target_cls.supported_devices and not missing_package
+                if device_type not in target_cls.supported_devices:
                     row["reason"] = f"does not support device type {device_type!r}"
+                elif missing_package:
+                    row["reason"] = missing_package
             rows.append(row)
     return rows
 

@@ -210,6 +210,17 @@ def test_cli_plugins_json_lists_everything_with_providers():
     assert "CUDA" in by_key[("platform", "cuda")]["reason"]
 
 
+def test_cli_plugins_names_a_missing_kernel_package(monkeypatch):
+    """A backend whose package is missing is listed as unavailable, with the reason, even on a
+    device type it supports."""
+    monkeypatch.setitem(sys.modules, "fla", None)
+    monkeypatch.setattr("weir.plugins.attention.gdn_fla.FlaGDNBackend.supported_devices", frozenset({"cpu", "cuda"}))
+    result = CliRunner().invoke(app, ["plugins", "--json"])
+    assert result.exit_code == 0, result.output
+    fla = {row["name"]: row for row in json.loads(result.stdout)}["gdn_fla"]
+    assert fla["available"] is False and "fla-core cannot be imported" in fla["reason"]
+
+
 def test_cli_plugins_table_and_plugin_error(monkeypatch):
     table = CliRunner().invoke(app, ["plugins"], env={"COLUMNS": "200"})
     assert table.exit_code == 0 and "builtin_platforms" in table.stdout
