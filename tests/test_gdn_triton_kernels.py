@@ -245,8 +245,28 @@ def test_build_metadata_derives_varlen_tables_from_the_host_copy():
     assert metadata.state_slots.dtype == torch.int64 and metadata.state_slots.tolist() == [3, 1]
     assert metadata.num_tokens == 71 and metadata.query_start_loc is query_start_loc
 
+    assert metadata.num_decode_reqs == 0
+
     decode = backend.build_metadata(_decode_metadata(2, "cpu"))
     assert decode.cu_seqlens is None and decode.chunk_indices is None and decode.state_slots is None
+
+
+def test_build_metadata_splits_off_the_leading_decodes():
+    """Mixed steps: leading one-token requests go to the decode kernels; the varlen tables
+    describe the rest from token 0 of their own slice. A one-token request after a longer one
+    stays in the chunk part."""
+    from weir.plugins.attention.gdn_fla import FlaGDNBackend
+
+    backend = FlaGDNBackend(torch.float32, torch.device("cpu"))
+    query_start_loc = torch.tensor([0, 1, 2, 72, 73], dtype=torch.int32)
+    metadata = backend.build_metadata(LinearAttentionMetadata(
+        query_start_loc=query_start_loc, state_indices=torch.tensor([5, 3, 1, 0], dtype=torch.int32), num_reqs=4,
+        num_tokens=73, max_query_len=70, query_start_loc_cpu=query_start_loc.clone(),
+    ))
+    assert metadata.num_decode_reqs == 2
+    assert metadata.cu_seqlens.tolist() == [0, 70, 71] and metadata.cu_seqlens_cpu.tolist() == [0, 70, 71]
+    assert metadata.state_slots.tolist() == [1, 0]
+    assert metadata.chunk_indices.tolist() == [[0, 0], [0, 1], [1, 0]]
 
 
 def test_backend_declares_cuda_and_reports_missing_fla(monkeypatch):
@@ -317,11 +337,11 @@ def test_fla_backend_matches_torch_backend_on_a_varlen_batch():
     device, dtype, layer = torch.device("cuda"), torch.bfloat16, QWEN3_NEXT
     backends = [FlaGDNBackend(dtype, device), TorchGDNBackend(dtype, device)]
     states = [backend.allocate_state(NUM_POOL_SLOTS, layer) for backend in backends]
-    slots = [4, 0, 2]
+    slots = [4, 0, 2, 5]
     weight = _randn(layer.conv_dim, layer.conv_kernel, device=device, dtype=dtype, scale=0.5, seed=30)
-    # Prompts of 150, 3 and 77 tokens in two chunks (one request has a 1-token chunk: a mixed
-    # batch), then three decode steps.
-    steps = [[80, 2, 40], [70, 1, 37], [1, 1, 1], [1, 1, 1], [1, 1, 1]]
+    # Four requests fed in chunks: a 1-token chunk behind a longer one (it stays in the chunk path),
+    # then two leading 1-token requests beside two chunks (the mixed split), then decode steps.
+    steps = [[80, 2, 40, 7], [70, 1, 37, 8], [1, 1, 30, 1], [1, 1, 1, 1], [1, 1, 1, 1]]
     for step, query_lens in enumerate(steps):
         num_tokens = sum(query_lens)
         mixed_qkv = _randn(num_tokens, layer.conv_dim, device=device, dtype=dtype, seed=31 + step)

@@ -75,8 +75,8 @@ def profile_peak_bytes(runner) -> tuple[int, int]:
         query_lens = split_tokens(scheduler.max_num_batched_tokens, scheduler.max_model_len,
                                   scheduler.max_num_seqs)
         if runner.state_layers:
-            # Linear-attention prefill gathers every request's state: the worst step is a full
-            # batch of decodes beside one prefill chunk, not a few long prompts.
+            # Hybrid models: the largest step also carries a full batch of decodes (their
+            # linear-attention kernels and buffers) beside the prefill chunk, as mixed steps do.
             num_decodes = min(runner.num_state_slots, scheduler.max_num_seqs, scheduler.max_num_batched_tokens) - 1
             query_lens = [1] * num_decodes + split_tokens(
                 scheduler.max_num_batched_tokens - num_decodes, scheduler.max_model_len, scheduler.max_num_seqs)

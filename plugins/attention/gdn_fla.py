@@ -3,9 +3,12 @@
 - A decode-only step (``max_query_len == 1``, also inside CUDA graphs) runs the two slot-indexed
   Triton kernels of ``gdn_triton_kernels``: conv update, then one delta-rule step, both in place
   on the state pools, with no host reads and no value-dependent allocations.
-- Any other step (prefill, chunked prefill, mixed) flattens the batch into one varlen sequence
-  and runs fla's ``causal_conv1d`` and ``chunk_gated_delta_rule`` on states gathered from the
-  request slots, then scatters the final states back.
+- Any other step (prefill, chunked prefill, mixed) runs its leading one-token requests (the
+  running decodes: the scheduler puts them first) through those same decode kernels, and
+  flattens the rest into one varlen sequence for fla's ``causal_conv1d`` and
+  ``chunk_gated_delta_rule`` on states gathered from their slots, then scatters the final states
+  back. Keeping decodes out of the chunk path spares them the gather, fla's copy and the scatter
+  of their whole state (about 4 MiB per request and layer at Qwen3-Next shapes).
 
 fla-core (0.6.0) is imported lazily: importing this module neither imports fla nor touches CUDA.
 """
@@ -31,12 +34,15 @@ MAX_HEAD_K_DIM = 256  # fla's chunk_gated_delta_rule_fwd_h asserts K <= 256
 class FlaGDNMetadata(LinearAttentionMetadata):
     """The common step metadata plus what fla's varlen kernels need, derived once per step.
 
-    All extras stay None for decode-only steps, which need nothing beyond the common fields.
+    The first ``num_decode_reqs`` requests (one token each) take the decode kernels; the varlen
+    fields describe the remaining ``num_chunk_reqs`` requests, whose tokens start at row
+    ``num_decode_reqs``. All extras stay at their defaults for decode-only steps.
     """
 
-    state_slots: torch.Tensor | None = None  # [num_reqs] int64, device: slots for gather/scatter
-    cu_seqlens: torch.Tensor | None = None  # [num_reqs + 1] int64, device
-    cu_seqlens_cpu: torch.Tensor | None = None  # [num_reqs + 1] int64, CPU
+    num_decode_reqs: int = 0
+    state_slots: torch.Tensor | None = None  # [num_chunk_reqs] int64, device: slots for gather/scatter
+    cu_seqlens: torch.Tensor | None = None  # [num_chunk_reqs + 1] int64, device, from 0
+    cu_seqlens_cpu: torch.Tensor | None = None  # [num_chunk_reqs + 1] int64, CPU
     chunk_indices: torch.Tensor | None = None  # [num_chunks, 2] int64, device: (request, chunk of it)
 
 
@@ -79,21 +85,28 @@ class FlaGDNBackend(LinearAttentionBackend):
         return super().allocate_state(num_slots, layer)
 
     def build_metadata(self, metadata: LinearAttentionMetadata) -> FlaGDNMetadata:
-        """Decode steps: the common fields only. Others: int64 slots, cu_seqlens, chunk table."""
+        """Decode steps: the common fields only. Others: the leading decodes, then int64 slots,
+        cu_seqlens and the chunk table of the requests after them."""
         common = {field.name: getattr(metadata, field.name) for field in fields(LinearAttentionMetadata)}
         if metadata.max_query_len == 1:
             return FlaGDNMetadata(**common)
         query_start_loc_cpu = metadata.query_start_loc_cpu
         if query_start_loc_cpu is None:  # not an expected caller: one sync per step, not per layer
             query_start_loc_cpu = metadata.query_start_loc.cpu()
-        cu_seqlens_cpu = query_start_loc_cpu.to(torch.int64)
+        query_start_loc_cpu = query_start_loc_cpu.to(torch.int64)
+        query_lens = np.diff(query_start_loc_cpu.numpy())  # [num_reqs]
+        # Leading one-token requests; at least one multi-token request follows (max_query_len > 1).
+        num_decode_reqs = int(np.argmax(query_lens != 1))
+        cu_seqlens_cpu = query_start_loc_cpu[num_decode_reqs:] - num_decode_reqs  # token row = request here
         device = metadata.query_start_loc.device
         chunk_table = chunk_indices_from_query_start_loc(cu_seqlens_cpu.numpy(), FLA_CHUNK_SIZE)
         return FlaGDNMetadata(
             **common,
-            state_slots=metadata.state_indices.to(torch.int64),
+            num_decode_reqs=num_decode_reqs,
+            state_slots=metadata.state_indices[num_decode_reqs: metadata.num_reqs].to(torch.int64),
             # A fresh tensor every step: fla caches derived tables by tensor identity.
-            cu_seqlens=metadata.query_start_loc.to(torch.int64, copy=True),
+            cu_seqlens=(metadata.query_start_loc[num_decode_reqs: metadata.num_reqs + 1] - num_decode_reqs
+                        ).to(torch.int64),
             cu_seqlens_cpu=cu_seqlens_cpu,
             chunk_indices=host_to_device(chunk_table, device, pin_memory=device.type == "cuda"),
         )
@@ -115,39 +128,49 @@ class FlaGDNBackend(LinearAttentionBackend):
         if num_tokens == 0 or metadata.num_reqs == 0:
             return mixed_qkv.new_zeros(num_rows, layer.num_v_heads, layer.head_v_dim)
         if metadata.max_query_len == 1:
-            out = self._decode(layer, mixed_qkv, g, beta, conv_weight, state, metadata)
-        else:
-            out = self._chunked(layer, mixed_qkv, g, beta, conv_weight, state, metadata)
+            if num_tokens != metadata.num_reqs:
+                raise ValueError(f"a decode step (max_query_len 1) needs one token per request, got "
+                                 f"{num_tokens} tokens for {metadata.num_reqs} requests")
+            out = self._decode(layer, mixed_qkv[:num_tokens], g, beta, conv_weight, state,
+                               metadata.state_indices[:num_tokens])
+        elif metadata.num_decode_reqs == 0:
+            out = self._chunked(layer, mixed_qkv[:num_tokens], g[:num_tokens], beta[:num_tokens], conv_weight,
+                                state, metadata)
+        else:  # mixed: the leading decodes by the decode kernels, the rest by fla's chunk kernels
+            first_chunk_row = metadata.num_decode_reqs
+            out = mixed_qkv.new_empty(num_tokens, layer.num_v_heads, layer.head_v_dim)
+            out[:first_chunk_row] = self._decode(layer, mixed_qkv[:first_chunk_row], g, beta, conv_weight, state,
+                                                 metadata.state_indices[:first_chunk_row])
+            out[first_chunk_row:] = self._chunked(
+                layer, mixed_qkv[first_chunk_row:num_tokens], g[first_chunk_row:num_tokens],
+                beta[first_chunk_row:num_tokens], conv_weight, state, metadata)
         if num_rows > num_tokens:  # padded rows: zeros keep later ops finite
             out = torch.cat([out, out.new_zeros(num_rows - num_tokens, *out.shape[1:])])
         return out
 
-    def _decode(self, layer, mixed_qkv, g, beta, conv_weight, state, metadata) -> torch.Tensor:
-        """One token per request: Weir's slot-indexed kernels, in place, graph-capturable."""
-        num_reqs = metadata.num_reqs
-        if metadata.num_tokens != num_reqs:
-            raise ValueError(f"a decode step (max_query_len 1) needs one token per request, got "
-                             f"{metadata.num_tokens} tokens for {num_reqs} requests")
+    def _decode(self, layer, mixed_qkv, g, beta, conv_weight, state, slots) -> torch.Tensor:
+        """One token per request (``mixed_qkv [B, conv_dim]``, ``slots [B]`` int32): Weir's
+        slot-indexed kernels, in place, graph-capturable."""
+        num_reqs = mixed_qkv.shape[0]
         conv_out = torch.empty(num_reqs, layer.conv_dim, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
-        conv_decode_step(mixed_qkv[:num_reqs], state.conv_state, conv_weight, metadata.state_indices, conv_out)
+        conv_decode_step(mixed_qkv, state.conv_state, conv_weight, slots, conv_out)
         out = torch.empty(num_reqs, layer.num_v_heads, layer.head_v_dim, dtype=mixed_qkv.dtype,
                           device=mixed_qkv.device)
-        return gdn_decode_step(conv_out, g[:num_reqs], beta[:num_reqs], state.recurrent_state,
-                               metadata.state_indices, out, num_k_heads=layer.num_k_heads,
-                               head_k_dim=layer.head_k_dim)
+        return gdn_decode_step(conv_out, g[:num_reqs], beta[:num_reqs], state.recurrent_state, slots, out,
+                               num_k_heads=layer.num_k_heads, head_k_dim=layer.head_k_dim)
 
     def _chunked(self, layer, mixed_qkv, g, beta, conv_weight, state, metadata) -> torch.Tensor:
-        """Prefill or mixed steps: fla's varlen conv and chunk kernels over gathered slot states."""
+        """The chunk requests' tokens (``mixed_qkv [T, conv_dim]``): fla's varlen conv and chunk
+        kernels over states gathered from their slots."""
         from fla.modules.causal_conv1d import causal_conv1d
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-        num_tokens = metadata.num_tokens
         slots = metadata.state_slots  # eager steps: no padding requests, so slots are distinct
         varlen = dict(cu_seqlens=metadata.cu_seqlens, cu_seqlens_cpu=metadata.cu_seqlens_cpu,
                       chunk_indices=metadata.chunk_indices)
 
         conv_out, conv_final = causal_conv1d(
-            x=mixed_qkv[:num_tokens].contiguous().unsqueeze(0), weight=conv_weight,
+            x=mixed_qkv.contiguous().unsqueeze(0), weight=conv_weight,
             initial_state=state.conv_state.index_select(0, slots),  # [num_reqs, conv_dim, conv_kernel]
             output_final_state=True, activation="silu", **varlen,
         )  # [1, num_tokens, conv_dim], [num_reqs, conv_dim, conv_kernel]
@@ -159,7 +182,7 @@ class FlaGDNBackend(LinearAttentionBackend):
         v = conv_out[..., 2 * key_dim:].unflatten(-1, (layer.num_v_heads, layer.head_v_dim))  # [1, T, HV, Dv]
         # Keywords only: fla's GDN entry points differ in where g and beta sit positionally.
         core_out, recurrent_final = chunk_gated_delta_rule(
-            q=q, k=k, v=v, g=g[:num_tokens].unsqueeze(0), beta=beta[:num_tokens].unsqueeze(0),
+            q=q, k=k, v=v, g=g.unsqueeze(0), beta=beta.unsqueeze(0),
             scale=layer.head_k_dim ** -0.5,
             initial_state=state.recurrent_state.index_select(0, slots).float(),  # [num_reqs, HV, Dk, Dv] fp32
             output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=FLA_CHUNK_SIZE, **varlen,
