@@ -15,6 +15,7 @@ from transformers import LlamaConfig
 from helpers_triton import run_interpreted
 from weir.kernels.dispatch import forced_torch_ops
 from weir.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from weir.layers.norm import ZeroCenteredRMSNorm
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -96,10 +97,10 @@ def check_silu_and_mul(device):
             _assert_close(_kernels().silu_and_mul_triton(gate_up), expected, device)
 
 
-def _rope(rotary_dim, device, dtype):
-    config = LlamaConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+def _rope(rotary_dim, device, dtype, head_dim=32):
+    config = LlamaConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=head_dim,
                          max_position_embeddings=512)
-    rope = RotaryEmbedding(config, 32, 512, rotary_dim=rotary_dim)
+    rope = RotaryEmbedding(config, head_dim, 512, rotary_dim=rotary_dim)
     rope.cos_sin_cache = rope.cos_sin_cache.to(dtype)
     rope.materialize_buffers(torch.device(device))
     return rope
@@ -128,12 +129,95 @@ def check_rotary_in_place(device):
             _assert_close(rotated_k, expected_k, device)
 
 
+def _head_norm(norm_class, head_dim, device, dtype, seed):
+    """A per-head q/k norm with random weights around identity (1 for RMSNorm, 0 zero-centred)."""
+    norm = norm_class(head_dim, eps=1e-6)
+    identity = 0.0 if norm_class is ZeroCenteredRMSNorm else 1.0
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(head_dim, generator=torch.Generator().manual_seed(seed)) * 0.2 + identity)
+    return norm.to(device=device, dtype=dtype)
+
+
+def _qkv_heads(num_tokens, num_heads, num_kv_heads, head_dim, device, dtype, seed, on_grid=None):
+    """``(qkv, q, k)``: q and k are strided head views of one QKV GEMM output row per token.
+
+    ``on_grid`` (default: for bf16) puts the values on a 1/32 grid, where the sum of squares is
+    exact in any order: otherwise one fp32 ulp of the norm's statistics may flip a bf16 rounding,
+    which RoPE's cancellation would magnify past the ulp rule. fp32 is checked to rounding.
+    """
+    qkv = _randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=device, dtype=torch.float32,
+                 scale=2.0, seed=seed)
+    if on_grid or (on_grid is None and dtype == torch.bfloat16):
+        qkv = (qkv * 32).round().clamp(-128, 128) / 32
+    qkv = qkv.to(dtype)
+    q = qkv[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    return qkv, q, k
+
+
+def _check_qk_norm_rope(device, norm_class, num_heads, num_kv_heads, head_dim, rotary_dim):
+    num_tokens = 19
+    positions = torch.randperm(512, generator=torch.Generator().manual_seed(13))[:num_tokens].to(device)
+    assert not torch.equal(positions, positions.sort().values)  # gathers must follow positions
+    for dtype in DTYPES:
+        rope = _rope(rotary_dim, device, dtype, head_dim=head_dim)
+        q_norm = _head_norm(norm_class, head_dim, device, dtype, seed=14)
+        k_norm = _head_norm(norm_class, head_dim, device, dtype, seed=15)
+        qkv, q, k = _qkv_heads(num_tokens, num_heads, num_kv_heads, head_dim, device, dtype, seed=16)
+        v_before = qkv[:, (num_heads + num_kv_heads) * head_dim:].clone()
+        with forced_torch_ops():
+            expected_q, expected_k = rope(positions, q_norm(q), k_norm(k))
+        out_q, out_k = _kernels().qk_norm_rope_triton(
+            positions, q, k, q_norm.weight, k_norm.weight, q_norm.eps, rope.cos_sin_cache, rotary_dim,
+            zero_centered=norm_class is ZeroCenteredRMSNorm)
+        assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()  # in place
+        assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim:], v_before)  # v untouched
+        _assert_close(out_q, expected_q, device)
+        _assert_close(out_k, expected_k, device)
+
+
+def check_qk_norm_rope_qwen3(device):
+    # Qwen3: RMSNorm per head, full rotary over head_dim 128, GQA 16/8.
+    _check_qk_norm_rope(device, RMSNorm, num_heads=16, num_kv_heads=8, head_dim=128, rotary_dim=128)
+
+
+def check_qk_norm_rope_zero_centered_partial(device):
+    # Qwen3-Next: zero-centred norms, rotary over the first 64 of 256 dims, GQA 16/2.
+    _check_qk_norm_rope(device, ZeroCenteredRMSNorm, num_heads=16, num_kv_heads=2, head_dim=256, rotary_dim=64)
+
+
+def check_qk_norm_rope_matches_the_separate_kernels(device):
+    # Bit for bit against rms_norm_triton then rotary_triton: on grid values the statistics are
+    # exact, so any difference is a rounding step done differently. Odd shapes: head_dim 96
+    # (not a power of two), a single kv head, rotary over 32 dims.
+    num_tokens, num_heads, num_kv_heads, head_dim, rotary_dim = 11, 5, 1, 96, 32
+    positions = torch.randperm(512, generator=torch.Generator().manual_seed(23))[:num_tokens].to(device)
+    for dtype in DTYPES:
+        for norm_class in (RMSNorm, ZeroCenteredRMSNorm):
+            zero_centered = norm_class is ZeroCenteredRMSNorm
+            rope = _rope(rotary_dim, device, dtype, head_dim=head_dim)
+            q_norm = _head_norm(norm_class, head_dim, device, dtype, seed=24)
+            k_norm = _head_norm(norm_class, head_dim, device, dtype, seed=25)
+            _, q, k = _qkv_heads(num_tokens, num_heads, num_kv_heads, head_dim, device, dtype, seed=26, on_grid=True)
+            kernels = _kernels()
+            expected_q, expected_k = kernels.rotary_triton(
+                positions, kernels.rms_norm_triton(q, q_norm.weight, q_norm.eps, zero_centered=zero_centered),
+                kernels.rms_norm_triton(k, k_norm.weight, k_norm.eps, zero_centered=zero_centered),
+                rope.cos_sin_cache)
+            out_q, out_k = kernels.qk_norm_rope_triton(positions, q, k, q_norm.weight, k_norm.weight, q_norm.eps,
+                                                       rope.cos_sin_cache, rotary_dim, zero_centered=zero_centered)
+            assert torch.equal(out_q, expected_q) and torch.equal(out_k, expected_k)
+
+
 CHECKS = [
     check_rms_norm,
     check_rms_norm_of_strided_heads,
     check_rms_norm_adds_the_residual_in_place,
     check_silu_and_mul,
     check_rotary_in_place,
+    check_qk_norm_rope_qwen3,
+    check_qk_norm_rope_zero_centered_partial,
+    check_qk_norm_rope_matches_the_separate_kernels,
 ]
 
 
@@ -188,3 +272,47 @@ def test_cuda_modules_dispatch_to_triton():
     rotated_q, rotated_k = rope(positions, q, k)
     assert rotated_q.data_ptr() == q.data_ptr()  # rotated in place: the kernel ran
     assert torch.equal(rotated_q, expected_q) and torch.equal(rotated_k, expected_k)
+
+
+@pytest.mark.parametrize("norm_class, head_dim, rotary_dim", [(RMSNorm, 128, 128), (ZeroCenteredRMSNorm, 256, 64)])
+def test_forward_with_norms_on_cpu_is_norm_then_rope(norm_class, head_dim, rotary_dim):
+    rope = _rope(rotary_dim, "cpu", torch.bfloat16, head_dim=head_dim)
+    q_norm = _head_norm(norm_class, head_dim, "cpu", torch.bfloat16, seed=17)
+    k_norm = _head_norm(norm_class, head_dim, "cpu", torch.bfloat16, seed=18)
+    qkv, q, k = _qkv_heads(7, 4, 2, head_dim, "cpu", torch.bfloat16, seed=19)
+    qkv_before = qkv.clone()
+    positions = torch.tensor([5, 0, 300, 2, 2, 511, 9])
+    expected_q, expected_k = rope(positions, q_norm(q), k_norm(k))
+    out_q, out_k = rope.forward_with_norms(positions, q, k, q_norm, k_norm)
+    assert torch.equal(out_q, expected_q) and torch.equal(out_k, expected_k)
+    assert not torch.equal(out_q, q)  # it did normalise and rotate
+    assert torch.equal(qkv, qkv_before)  # the torch path leaves the GEMM output alone
+
+
+def test_fused_qk_norm_rope_takes_only_matching_norms():
+    rope = _rope(32, "cpu", torch.bfloat16)
+    q = torch.zeros(3, 4, 32, dtype=torch.bfloat16)
+    rms, zero_centered = RMSNorm(32, eps=1e-6), ZeroCenteredRMSNorm(32, eps=1e-6)
+    assert rope._norms_fit(q, rms.to(torch.bfloat16), RMSNorm(32, eps=1e-6).to(torch.bfloat16))
+    assert rope._norms_fit(q, zero_centered, ZeroCenteredRMSNorm(32, eps=1e-6))  # fp32 weight: no promotion
+    assert not rope._norms_fit(q, rms, RMSNorm(32, eps=1e-6))  # fp32 weight would promote bf16 q
+    assert not rope._norms_fit(q, rms.to(torch.bfloat16), zero_centered.to(torch.bfloat16))  # mixed classes
+    assert not rope._norms_fit(q, zero_centered, ZeroCenteredRMSNorm(32, eps=1e-5))  # different eps
+    assert not rope._norms_fit(q, zero_centered, ZeroCenteredRMSNorm(16, eps=1e-6))  # not over head_dim
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_forward_with_norms_runs_the_fused_kernel():
+    dtype = torch.bfloat16
+    rope = _rope(64, "cuda", dtype, head_dim=256)
+    q_norm = _head_norm(ZeroCenteredRMSNorm, 256, "cuda", dtype, seed=20)
+    k_norm = _head_norm(ZeroCenteredRMSNorm, 256, "cuda", dtype, seed=21)
+    _, q, k = _qkv_heads(5, 16, 2, 256, "cuda", dtype, seed=22)
+    positions = torch.tensor([4, 1, 0, 77, 3], device="cuda")
+    with forced_torch_ops():
+        expected_q, expected_k = rope(positions, q_norm(q), k_norm(k))
+    out_q, out_k = rope.forward_with_norms(positions, q, k, q_norm, k_norm)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()  # fused, in place
+    _assert_close(out_q, expected_q, "cuda")
+    _assert_close(out_k, expected_k, "cuda")

@@ -92,8 +92,9 @@ class RopeSelfAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+            q, k = self.rotary_emb.forward_with_norms(positions, q, k, self.q_norm, self.k_norm)
+        else:
+            q, k = self.rotary_emb(positions, q, k)
         attn_out = self.attn(q, k, v, ctx)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(attn_out.reshape(num_tokens, self.num_heads * self.head_dim))
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from weir.kernels.dispatch import triton_module, use_triton
+from weir.layers.norm import RMSNorm, ZeroCenteredRMSNorm
 
 # Types whose frequencies depend on the live sequence length in a way one cache cannot hold.
 _UNSUPPORTED_ROPE_TYPES = {"longrope"}
@@ -148,6 +149,39 @@ class RotaryEmbedding(nn.Module):
         cos_sin = self.cos_sin_cache[positions].unsqueeze(1)  # [num_tokens, 1, rotary_dim]
         cos, sin = cos_sin.chunk(2, dim=-1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _norms_fit(self, q: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module) -> bool:
+        # The fused kernel knows exactly these two norm classes (not subclasses: they may
+        # override the maths); it normalises over the whole head and writes into q's dtype.
+        norm_class = type(q_norm)
+        if norm_class not in (RMSNorm, ZeroCenteredRMSNorm) or type(k_norm) is not norm_class:
+            return False
+        q_weight, k_weight = q_norm.weight, k_norm.weight
+        head_dim = q.shape[-1]
+        if (q_norm.eps != k_norm.eps or q_weight.shape != (head_dim,) or k_weight.shape != (head_dim,)
+                or q_weight.dtype != k_weight.dtype):
+            return False
+        # RMSNorm's result has dtype promote(weight, x): in place needs that to stay q's dtype.
+        return norm_class is ZeroCenteredRMSNorm or torch.promote_types(q_weight.dtype, q.dtype) == q.dtype
+
+    def forward_with_norms(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int64
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        q_norm: nn.Module,  # per-head norm over head_dim
+        k_norm: nn.Module,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``self.forward(positions, q_norm(q), k_norm(k))`` (Qwen3's q/k norms before RoPE).
+
+        On CUDA, when both norms are ``RMSNorm`` or both ``ZeroCenteredRMSNorm`` with one eps,
+        a single Triton kernel normalises and rotates q and k in place (same roundings).
+        """
+        if use_triton(q) and self._kernel_fits(q, k) and self._norms_fit(q, q_norm, k_norm):
+            return triton_module("triton_layers").qk_norm_rope_triton(
+                positions, q, k, q_norm.weight, k_norm.weight, q_norm.eps, self.cos_sin_cache,
+                self.rotary_dim, zero_centered=type(q_norm) is ZeroCenteredRMSNorm)
+        return self.forward(positions, q_norm(q), k_norm(k))
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, max_positions={self.max_positions}"

@@ -78,8 +78,7 @@ class GatedAttention(nn.Module):
         gate = q_and_gate[:, q_dim:]  # [num_tokens, H * D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb.forward_with_norms(positions, q, k, self.q_norm, self.k_norm)
         attn_out = self.attn(q, k, v, ctx).reshape(num_tokens, q_dim)  # [num_tokens, H * D]
         return self.o_proj(attn_out * torch.sigmoid(gate))
 
