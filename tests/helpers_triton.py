@@ -2,9 +2,9 @@
 
 Triton chooses interpreter or compiler when it is first imported (``TRITON_INTERPRET``), and
 other tests import it in compiled mode first, so the interpreted checks run in a fresh Python
-process: ``run_interpreted("test_x", "run_checks")`` imports ``tests/test_x.py`` there with
-``TRITON_INTERPRET=1`` and calls ``run_checks("cpu")``, which must print one ``ok <name>`` line
-per check it ran.
+process: ``run_interpreted_checks("test_x", CHECKS)`` imports ``tests/test_x.py`` there with
+``TRITON_INTERPRET=1`` and runs its ``CHECKS`` (each ``check(device)``), printing one
+``ok <name>`` line per check that passed.
 """
 
 from __future__ import annotations
@@ -17,12 +17,29 @@ from pathlib import Path
 TESTS_DIR = Path(__file__).resolve().parent
 
 
+def run_checks(checks, device: str) -> None:
+    """Run each ``check(device)``, printing ``ok <name>`` after each one that passes."""
+    for check in checks:
+        check(device)
+        print("ok", check.__name__, flush=True)
+
+
+def run_interpreted_checks(module_name: str, checks, timeout_s: int = 900) -> None:
+    """Run ``module_name.CHECKS`` on the CPU in Triton's interpreter (a fresh process); assert
+    that every one of ``checks`` passed."""
+    code = f"import helpers_triton, {module_name} as checks; helpers_triton.run_checks(checks.CHECKS, 'cpu')"
+    _run_in_interpreter(code, [check.__name__ for check in checks], timeout_s)
+
+
 def run_interpreted(module_name: str, function_name: str, expected_checks: list[str], timeout_s: int = 900) -> None:
     """Run ``module_name.function_name("cpu")`` interpreted; assert every expected check printed ok."""
+    _run_in_interpreter(f"import {module_name} as checks; checks.{function_name}('cpu')", expected_checks, timeout_s)
+
+
+def _run_in_interpreter(code: str, expected_checks: list[str], timeout_s: int) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     env.pop("WEIR_DISABLE_TRITON", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), env.get("PYTHONPATH", "")]))
-    code = f"import {module_name} as checks; checks.{function_name}('cpu')"
     result = subprocess.run([sys.executable, "-c", code], env=env, cwd=TESTS_DIR, capture_output=True,
                             text=True, timeout=timeout_s)
     report = f"stdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-8000:]}"

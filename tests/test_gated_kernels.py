@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers_triton import run_interpreted
+from helpers_triton import run_interpreted_checks
 from weir.kernels.dispatch import forced_torch_ops
 from weir.layers.gates import delta_net_gates
 from weir.layers.norm import GatedRMSNorm
@@ -61,14 +61,9 @@ def check_delta_net_gates(device: str) -> None:
 CHECKS = [check_gated_rms_norm, check_delta_net_gates]
 
 
-def run_checks(device: str) -> None:
-    for check in CHECKS:
-        check(device)
-        print("ok", check.__name__, flush=True)
-
 
 def test_kernels_interpreted_on_cpu():
-    run_interpreted("test_gated_kernels", "run_checks", [check.__name__ for check in CHECKS])
+    run_interpreted_checks("test_gated_kernels", CHECKS)
 
 
 @pytest.mark.gpu

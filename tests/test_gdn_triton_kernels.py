@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers_triton import TESTS_DIR, run_interpreted
+from helpers_triton import TESTS_DIR, run_interpreted_checks
 from weir.linear_attention import GATED_DELTA_NET, GatedDeltaNetLayerSpec, LayerState, LinearAttentionMetadata
 
 SMALL = GatedDeltaNetLayerSpec(layer_idx=0, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16,
@@ -195,14 +195,9 @@ CHECKS = [check_conv_decode_step, check_gdn_decode_step, check_gdn_decode_step_1
           check_backend_decode_steps]
 
 
-def run_checks(device: str) -> None:
-    for check in CHECKS:
-        check(device)
-        print("ok", check.__name__, flush=True)
-
 
 def test_decode_kernels_interpreted_on_cpu():
-    run_interpreted("test_gdn_triton_kernels", "run_checks", [check.__name__ for check in CHECKS])
+    run_interpreted_checks("test_gdn_triton_kernels", CHECKS)
 
 
 def test_launchers_refuse_wrong_inputs():

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig
 
-from helpers_triton import run_interpreted
+from helpers_triton import run_interpreted_checks
 from weir.kernels.dispatch import forced_torch_ops
 from weir.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from weir.layers.norm import ZeroCenteredRMSNorm
@@ -221,14 +221,9 @@ CHECKS = [
 ]
 
 
-def run_checks(device: str) -> None:
-    for check in CHECKS:
-        check(device)
-        print("ok", check.__name__, flush=True)
-
 
 def test_kernels_interpreted_on_cpu():
-    run_interpreted("test_layers_triton", "run_checks", [check.__name__ for check in CHECKS])
+    run_interpreted_checks("test_layers_triton", CHECKS)
 
 
 @pytest.mark.gpu

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from helpers_triton import run_interpreted
+from helpers_triton import run_interpreted_checks
 from weir.moe import softmax_top_k
 from weir.plugins.moe_backends.torch_ref import TorchMoEBackend
 
@@ -164,14 +164,9 @@ CHECKS = [
 ]
 
 
-def run_checks(device: str) -> None:
-    for check in CHECKS:
-        check(device)
-        print("ok", check.__name__, flush=True)
-
 
 def test_kernels_interpreted_on_cpu():
-    run_interpreted("test_moe_triton", "run_checks", [check.__name__ for check in CHECKS])
+    run_interpreted_checks("test_moe_triton", CHECKS)
 
 
 def test_backend_declares_cuda_and_graphs():

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from helpers_triton import run_interpreted
+from helpers_triton import run_interpreted_checks
 from weir.kernels.dispatch import forced_torch_ops
 from weir.sample import Sampler, build_sampling_metadata, ops
 from weir.sampling_params import SamplingParams
@@ -192,14 +192,9 @@ CHECKS = [
 ]
 
 
-def run_checks(device: str) -> None:
-    for check in CHECKS:
-        check(device)
-        print("ok", check.__name__, flush=True)
-
 
 def test_kernels_interpreted_on_cpu():
-    run_interpreted("test_sampler_triton", "run_checks", [check.__name__ for check in CHECKS])
+    run_interpreted_checks("test_sampler_triton", CHECKS)
 
 
 @pytest.mark.gpu
