@@ -8,3 +8,4 @@ export PATH=/tmp/site/bin:$PATH
 for model in benchmarks/models/*/; do
   [ -f "$model/tokenizer.json" ] || xz -dc .carry/qwen3-tokenizer.json.xz > "$model/tokenizer.json"
 done
+export TRITON_CACHE_AUTOTUNING=1  # later processes of one call reuse fla's autotune results

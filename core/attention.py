@@ -82,6 +82,20 @@ class AttentionBackend(ABC):
         """Once per step: derive whatever the backend needs beyond the common metadata."""
         return metadata
 
+    def warmup_shapes(self, layer: AttentionLayerSpec, max_prefill_len: int, decode_batches: list[int],
+                      decode_seq_len: int) -> list[tuple[list[int], list[int]]]:
+        """``(query_lens, seq_lens)`` of attention calls that between them launch every kernel
+        variant real steps will: prefills of up to ``max_prefill_len`` tokens beside a decode,
+        and decode batches of ``decode_batches`` sizes at ``decode_seq_len`` keys (as the CUDA
+        graphs are captured). Start-up runs them in parallel threads so compilers overlap; a
+        backend that knows which shapes share a variant returns one shape per variant."""
+        shapes = []
+        query_len = 2
+        while query_len <= max_prefill_len:
+            shapes.append(([1, query_len], [1, query_len]))
+            query_len *= 2
+        return shapes + [([1] * batch, [decode_seq_len] * batch) for batch in decode_batches]
+
     @abstractmethod
     def forward(
         self,

@@ -11,7 +11,9 @@ import atexit
 import gc
 import logging
 import random
+import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -75,9 +77,11 @@ class LLMEngine:
         self.config = config
         self.platform = platform
         self.model_config = config.model
-        self.tokenizer = load_tokenizer(config.model)
-        logger.info("tokenizer loaded")
-        self.runner = ModelRunner(config, platform, model_cls, choose_attention_backends, choose_moe_backend)
+        # The tokenizer loads in a thread beside the model's load and warm-up (both need only the config).
+        with ThreadPoolExecutor(1, thread_name_prefix="weir-tokenizer") as pool:
+            tokenizer = pool.submit(load_tokenizer, config.model)
+            self.runner = ModelRunner(config, platform, model_cls, choose_attention_backends, choose_moe_backend)
+            self.tokenizer = tokenizer.result()
         prefix_caching = config.cache.enable_prefix_caching
         if prefix_caching and self.runner.state_layers:
             # A recurrent state cannot be rebuilt from cached KV blocks: a prefix hit would skip
@@ -104,12 +108,16 @@ class LLMEngine:
     def from_options(cls, model: str | None = None, **options) -> "LLMEngine":
         from weir.plugin_manager import load_plugins
 
+        start = time.perf_counter()
         args = EngineArgs.from_options(model, **options)
         registry = load_plugins()
         platform = registry.select_platform(args.device)
+        platform_seconds = time.perf_counter() - start
         config = args.create_config(platform.device_type)
         model_cls = registry.resolve_model(config.model.architecture)
-        logger.info("model %s (%s) on %s", config.model.model, config.model.architecture, platform.name)
+        logger.info("model %s (%s) on %s (plugins and platform %.1f s, config %.1f s)", config.model.model,
+                    config.model.architecture, platform.name, platform_seconds,
+                    time.perf_counter() - start - platform_seconds)
 
         def choose_attention_backends(layer_kinds: set[str]) -> dict[str, type]:
             return registry.select_attention_backends(platform, layer_kinds, args.attention_backend)

@@ -2,6 +2,8 @@
 # GPU-machine calls, from the repo root with carry [".whl", ".carry"]; results go to $OUT.
 #   bash scripts/gpu_check.sh tests   every GPU-marked test but the default model's (needs its wheel carried)
 #   bash scripts/gpu_check.sh bench   Weir's nano-bench and the kernel timings (scripts/bench_*.py)
+#   bash scripts/gpu_check.sh profile cold and warm start-up with every Triton compile timed, then the
+#                                     kernel table of a Qwen3-8B batch-1 decode step
 set -u
 source benchmarks/device_setup.sh || exit 1
 export PYTHONUNBUFFERED=1
@@ -18,4 +20,12 @@ case "${1:-tests}" in
     for bench in bench_attention bench_input_prep bench_small_ops; do
       timeout 90 python3 scripts/$bench.py > "$OUT/$bench.log" 2>&1; tail -25 "$OUT/$bench.log"
     done ;;
+  profile)
+    rm -rf /tmp/triton-startup; export TRITON_CACHE_DIR=/tmp/triton-startup  # empty: a cold machine's compiles
+    timeout 120 python3 scripts/startup_profile.py benchmarks/models/qwen3-0.6b > "$OUT/startup-cold.log" 2>&1
+    grep -v "^ .*  {" "$OUT/startup-cold.log" | tail -40
+    timeout 90 python3 scripts/startup_profile.py benchmarks/models/qwen3-0.6b --cprofile 45 > "$OUT/startup-warm.log" 2>&1
+    grep "STARTUP\|compilations\|weir\." "$OUT/startup-warm.log"; unset TRITON_CACHE_DIR
+    timeout 120 python3 scripts/profile_steps.py benchmarks/models/qwen3-8b --num-prompts 0 --profile-batch 1 \
+      --top 30 > "$OUT/profile-8b-bs1.log" 2>&1; grep -v "INFO\|it/s\]" "$OUT/profile-8b-bs1.log" | tail -34 ;;
 esac

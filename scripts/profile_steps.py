@@ -2,6 +2,7 @@
 mixed vs pure decode) and decode batch size, then a torch-profiler table of a steady decode window.
 
     python3 scripts/profile_steps.py benchmarks/models/qwen3-next-24l [--num-prompts 256] [--profile-batch 256]
+    python3 scripts/profile_steps.py benchmarks/models/qwen3-8b --num-prompts 0 --profile-batch 1 --top 30
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def timed_steps(llm, prompts, max_tokens) -> None:
                   f"{seconds[label] / counts[label] * 1e3:7.2f} ms/step")
 
 
-def profile_window(llm, batch: int, num_steps: int = 6) -> None:
+def profile_window(llm, batch: int, top: int, num_steps: int = 6) -> None:
     engine = llm.engine
     for index in range(batch):
         engine.add_request(f"p{index}", {"prompt_token_ids": list(range(1, 400))},
@@ -80,7 +81,7 @@ def profile_window(llm, batch: int, num_steps: int = 6) -> None:
     events = prof.key_averages()
     total = sum(getattr(e, "self_device_time_total", 0.0) for e in events)
     print(f"device busy {total / 1e3 / num_steps:.2f} ms/step; top kernels (us per step):")
-    for event in sorted(events, key=lambda e: -getattr(e, "self_device_time_total", 0.0))[:14]:
+    for event in sorted(events, key=lambda e: -getattr(e, "self_device_time_total", 0.0))[:top]:
         print(f"  {event.self_device_time_total / num_steps:9.1f}  {event.count / num_steps:5.1f}x  {event.key[:90]}")
 
 
@@ -89,16 +90,20 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--profile-batch", default="256,32")
+    parser.add_argument("--top", type=int, default=14, help="kernels listed per profiled window")
+    parser.add_argument("--linear-state-dtype", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)8.0f ms %(name)s: %(message)s")
     start = time.perf_counter()
-    llm = LLM(args.model, load_format="dummy", max_model_len=4096, seed=0)
+    options = {"linear_state_dtype": args.linear_state_dtype} if args.linear_state_dtype else {}
+    llm = LLM(args.model, load_format="dummy", max_model_len=4096, seed=0, **options)
     print(f"STARTUP {time.perf_counter() - start:.1f} s")
     logging.getLogger().setLevel(logging.WARNING)
-    prompts, max_tokens = random_workload(args.num_prompts, (100, 1024), (100, 1024), 0, 10000)
-    timed_steps(llm, prompts, max_tokens)
+    if args.num_prompts:
+        prompts, max_tokens = random_workload(args.num_prompts, (100, 1024), (100, 1024), 0, 10000)
+        timed_steps(llm, prompts, max_tokens)
     for batch in args.profile_batch.split(","):
-        profile_window(llm, int(batch))
+        profile_window(llm, int(batch), args.top)
 
 
 if __name__ == "__main__":

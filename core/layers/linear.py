@@ -12,6 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from weir.kernels.dispatch import triton_module, use_triton
+
+# Narrower projections have too few output tiles to fill the GPU from one row: cuBLAS keeps them.
+MIN_GEMV_OUT_FEATURES = 1024
+
 
 class Linear(nn.Module):
     """``y = x @ W.T (+ b)`` with ``weight [out_features, in_features]`` as in ``nn.Linear``."""
@@ -24,6 +29,12 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.numel() == x.shape[-1] and self.bias is None and self.out_features >= MIN_GEMV_OUT_FEATURES
+                and use_triton(x)):
+            # One row (a batch-1 decode step): Weir's GEMV streams the weight in one launch, where
+            # cuBLAS picks split-K kernels plus a reduce for several of these shapes.
+            out = triton_module("triton_gemv").gemv(x.reshape(1, -1), self.weight)
+            return out.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)  # [..., out_features]
 
     def extra_repr(self) -> str:

@@ -86,6 +86,21 @@ class TritonAttentionBackend(AttentionBackend):
         wanted = triton.cdiv(SPLIT_TARGET_WAVES * self.num_sms, programs)
         return max(1, min(wanted, triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT), MAX_SPLITS))
 
+    def warmup_shapes(self, layer: AttentionLayerSpec, max_prefill_len: int, decode_batches: list[int],
+                      decode_seq_len: int) -> list[tuple[list[int], list[int]]]:
+        """One shape per kernel variant: per prefill tile config, per decode split class."""
+        group_p = triton.next_power_of_2(layer.num_heads // layer.num_kv_heads)
+        by_variant: dict[tuple, tuple[list[int], list[int]]] = {}
+        for query_lens, seq_lens in super().warmup_shapes(layer, max_prefill_len, decode_batches, decode_seq_len):
+            if max(query_lens) > 1:
+                variant = ("prefill", self.prefill_tiles or default_prefill_tiles(
+                    layer.head_dim, max(query_lens), group_p, self.dtype))
+            else:
+                splits = self.num_kv_splits(len(query_lens), layer.num_kv_heads, decode_seq_len)
+                variant = ("decode", triton.next_power_of_2(splits) if splits > 1 else 1)
+            by_variant.setdefault(variant, (query_lens, seq_lens))
+        return list(by_variant.values())
+
     def forward(
         self,
         layer: AttentionLayerSpec,

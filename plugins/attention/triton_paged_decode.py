@@ -15,7 +15,8 @@ import triton.language as tl
 from weir.plugins.attention.triton_paged_kernels import NEG_BIG, kv_tile_offsets, online_softmax_step
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+# The block-table stride is max_blocks_per_req: one variant for every max_model_len.
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def decode_kernel(
     q_ptr, cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,

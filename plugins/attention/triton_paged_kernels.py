@@ -62,7 +62,8 @@ def find_request(query_start_loc_ptr, tile_id, num_reqs, BLOCK_Q: tl.constexpr):
 
 
 # Batch sizes vary every step: no value specialisation, so no compile in the middle of a run.
-@triton.jit(do_not_specialize=["num_reqs"])
+# The block-table stride is max_blocks_per_req: one variant for every max_model_len.
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
 def prefill_kernel(
     q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     num_reqs, qk_scale,

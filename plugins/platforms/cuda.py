@@ -29,7 +29,11 @@ class TorchCudaPlatformBase(Platform):
         return torch.version.hip
 
     def memory_info(self, index: int = 0) -> tuple[int, int]:
-        return torch.cuda.mem_get_info(index)
+        free, total = torch.cuda.mem_get_info(index)
+        # Blocks torch's caching allocator holds but no tensor uses (an engine freed earlier in
+        # this process, say) are this process's to reuse: count them as free.
+        unused_cached = torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
+        return free + unused_cached, total
 
     def synchronize(self, index: int = 0) -> None:
         torch.cuda.synchronize(index)

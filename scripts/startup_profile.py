@@ -1,0 +1,87 @@
+"""Where start-up goes: timestamped start-up log, then every Triton compilation it caused (kernel,
+seconds, the specialisation that made it distinct), so cold start-up can be cut where it costs.
+
+    TRITON_CACHE_DIR=/tmp/empty python3 scripts/startup_profile.py benchmarks/models/qwen3-0.6b [key=value ...]
+
+An empty TRITON_CACHE_DIR gives a cold machine's start-up; the key=value pairs are engine options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import logging
+import pstats
+import threading
+import time
+
+
+def record_compiles(records: list) -> bool:
+    """Wrap Triton's per-kernel compile entry point; False when this Triton has none to wrap."""
+    from triton.runtime.jit import JITFunction
+
+    original = getattr(JITFunction, "_do_compile", None)
+    if original is None:
+        return False
+    lock = threading.Lock()
+
+    def timed(self, key, signature, device, constexprs, options, attrs, warmup):
+        start = time.perf_counter()
+        kernel = original(self, key, signature, device, constexprs, options, attrs, warmup)
+        with lock:
+            records.append((self.fn.__name__, time.perf_counter() - start, start, repr(constexprs)[:200],
+                            repr(attrs)[:200]))
+        return kernel
+
+    JITFunction._do_compile = timed
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N",
+                        help="also print the N costliest calls (cumulative) of the start-up")
+    parser.add_argument("options", nargs="*", help="engine options, key=value")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(relativeCreated)8.0f ms %(name)s: %(message)s")
+    begin = time.perf_counter()
+    import torch  # noqa: F401  (timed: the import is part of every start-up)
+
+    print(f"import torch: {time.perf_counter() - begin:.1f} s")
+    records: list = []
+    hooked = record_compiles(records)
+    from weir import LLM
+
+    options = {"load_format": "dummy", "max_model_len": 4096}
+    for item in args.options:
+        key, value = item.split("=", 1)
+        options[key] = int(value) if value.isdigit() else value
+    profiler = cProfile.Profile() if args.cprofile else None
+    start = time.perf_counter()
+    if profiler:
+        profiler.enable()
+    LLM(args.model, **options)
+    total = time.perf_counter() - start
+    if profiler:
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.cprofile)
+    print(f"STARTUP {total:.1f} s (LLM(...)); {time.perf_counter() - begin:.1f} s since the script began")
+    if not hooked:
+        print("this Triton has no JITFunction._do_compile: compile times not recorded")
+        return
+    compile_seconds = sum(seconds for _, seconds, *_ in records)
+    print(f"{len(records)} Triton compilations, {compile_seconds:.1f} s in all")
+    per_kernel = collections.defaultdict(list)
+    for name, seconds, started, constexprs, attrs in records:
+        per_kernel[name].append((seconds, started - start, constexprs, attrs))
+    for name, runs in sorted(per_kernel.items(), key=lambda item: -sum(r[0] for r in item[1])):
+        print(f"  {sum(r[0] for r in runs):6.2f} s  {len(runs):3d}x  {name}")
+        if len(runs) > 1:
+            for seconds, at, constexprs, attrs in runs:
+                print(f"           {seconds:5.2f} s at {at:5.1f} s  {constexprs}  {attrs}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""The start-up warm-up's tasks (``weir.runner.warmup``): on the CPU they compile nothing, but
+every shape they launch must be one the backends accept, for dense and hybrid models."""
+
+from __future__ import annotations
+
+import logging
+
+from helpers_models import make_tiny_qwen3_next
+from weir import LLM
+from weir.runner.warmup import attention_shapes, compile_kernel_variants, dummy_metadata, scratch_caches
+
+
+def test_tasks_cover_prefill_classes_and_every_graph_batch(tiny_llm, caplog):
+    runner = tiny_llm.engine.runner
+    runner.use_graphs = True  # as on CUDA: the decode batches of every captured size
+    try:
+        shapes = attention_shapes(runner)  # the torch backend: the generic shapes, every one
+        assert {layer.layer_idx for layer, _, _ in shapes} == {0}  # one per distinct layer shape
+        prefill_lens = [query_lens[1] for _, query_lens, _ in shapes if max(query_lens) > 1]
+        assert prefill_lens == [2, 4, 8, 16, 32, 64, 128, 256]
+        decode_batches = [len(query_lens) for _, query_lens, _ in shapes if max(query_lens) == 1]
+        assert decode_batches[-4:] == [8, 4, 2, 1] and decode_batches[0] == runner.config.scheduler.max_num_seqs
+        assert all(seq_lens == [runner.config.scheduler.max_model_len] * len(seq_lens)
+                   for _, query_lens, seq_lens in shapes if max(query_lens) == 1)
+        with caplog.at_level(logging.INFO, logger="weir.runner.warmup"):
+            compile_kernel_variants(runner, scratch_caches(runner))
+        assert "kernel variants compiled" in caplog.text
+    finally:
+        runner.use_graphs = False
+
+
+def test_dummy_metadata_has_the_real_block_table_width(tiny_llm):
+    runner = tiny_llm.engine.runner
+    metadata = dummy_metadata(runner, [1, 3], [7, 3])
+    assert metadata.block_tables.shape == (2, runner.max_blocks_per_req)
+    assert metadata.query_start_loc.tolist() == [0, 1, 4] and metadata.seq_lens.tolist() == [7, 3]
+    assert metadata.slot_mapping.tolist() == [6 % runner.block_size, 0, 1, 2]
+    assert (metadata.num_tokens, metadata.max_query_len, metadata.max_seq_len) == (4, 3, 7)
+
+
+def test_hybrid_model_and_a_short_max_model_len(tmp_path, caplog):
+    llm = LLM(str(make_tiny_qwen3_next(tmp_path)), device="cpu", dtype="float32", max_model_len=64,
+              max_num_seqs=4)
+    runner = llm.engine.runner
+    prefill_lens = [query_lens[1] for _, query_lens, _ in attention_shapes(runner)]
+    assert prefill_lens == [2, 4, 8, 16, 32, 64]  # none longer than a request can be
+    with caplog.at_level(logging.INFO, logger="weir.runner.warmup"):
+        compile_kernel_variants(runner, scratch_caches(runner))
+    assert "kernel variants compiled" in caplog.text
+
+
+def test_triton_backend_keeps_one_shape_per_kernel_variant():
+    import torch
+
+    from weir.attention import AttentionLayerSpec
+    from weir.plugins.attention.triton_paged import TritonAttentionBackend
+
+    backend = TritonAttentionBackend(16, torch.bfloat16, torch.device("cpu"))  # 8 "SMs" off the GPU
+    layer = AttentionLayerSpec(layer_idx=0, num_heads=16, num_kv_heads=8, head_dim=128, scale=1.0)
+    generic = super(TritonAttentionBackend, backend).warmup_shapes(layer, 256, [64, 32, 16, 8, 4, 2, 1], 4096)
+    kept = backend.warmup_shapes(layer, 256, [64, 32, 16, 8, 4, 2, 1], 4096)
+    assert len(kept) < len(generic) and all(shape in generic for shape in kept)
+    prefill_tiles = {backend_tiles(backend, layer, q) for q, _ in generic if max(q) > 1}
+    assert len([q for q, _ in kept if max(q) > 1]) == len(prefill_tiles)
+    split_classes = {split_class(backend, layer, len(q)) for q, _ in generic if max(q) == 1}
+    assert sorted(split_class(backend, layer, len(q)) for q, _ in kept if max(q) == 1) == sorted(split_classes)
+
+
+def backend_tiles(backend, layer, query_lens):
+    from weir.plugins.attention.triton_paged import default_prefill_tiles
+
+    return default_prefill_tiles(layer.head_dim, max(query_lens), 2, backend.dtype)
+
+
+def split_class(backend, layer, batch):
+    splits = backend.num_kv_splits(batch, layer.num_kv_heads, 4096)
+    return 1 if splits == 1 else 1 << (splits - 1).bit_length()
