@@ -154,7 +154,35 @@ def check_no_tokens(device):
     assert out.shape == (0, HIDDEN)
 
 
+def check_routing_matches_softmax_top_k(device):
+    from weir.moe import softmax_top_k
+    from weir.plugins.moe_backends.triton_routing_kernels import softmax_top_k_triton
+
+    for num_tokens, num_experts, top_k, renormalize, dtype in (
+            (7, 6, 3, False, torch.float32), (5, 60, 4, True, torch.float32), (3, 512, 10, True, torch.float32),
+            (4, 200, 10, True, torch.bfloat16), (2, 8, 8, True, torch.float32)):
+        if dtype == torch.bfloat16:  # distinct values bf16 holds exactly (k / 32, k < 256): no ties
+            generator = torch.Generator().manual_seed(num_experts)
+            logits = torch.stack([torch.randperm(num_experts, generator=generator) for _ in range(num_tokens)])
+            logits = (logits.float() / 32 - 3).to(device, dtype)
+        else:
+            logits = _randn(num_tokens, num_experts, device=device, seed=num_experts) * 3
+        expected_weights, expected_ids = softmax_top_k(logits, top_k, renormalize)
+        weights, ids = softmax_top_k_triton(logits, top_k, renormalize)
+        assert weights.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == (num_tokens, top_k)
+        assert torch.equal(ids.long().cpu(), expected_ids.cpu()), (num_experts, top_k)
+        torch.testing.assert_close(weights.cpu(), expected_weights.cpu(), rtol=1e-5, atol=1e-6)
+    # Ties go to the lower expert id; a strided view of the logits reads the right row elements.
+    tied = torch.tensor([[0.0, 2.0, 2.0, 1.0, 2.0]], device=device)
+    weights, ids = softmax_top_k_triton(tied, 3, True)
+    assert ids.tolist() == [[1, 2, 4]] and torch.allclose(weights.cpu(), torch.full((1, 3), 1 / 3))
+    wide = _randn(3, 20, device=device, seed=1)
+    _, ids = softmax_top_k_triton(wide[:, ::2], 2, False)
+    assert torch.equal(ids.long().cpu(), softmax_top_k(wide[:, ::2], 2, False)[1].cpu())
+
+
 CHECKS = [
+    check_routing_matches_softmax_top_k,
     check_alignment,
     check_matches_torch,
     check_one_expert_takes_every_token,

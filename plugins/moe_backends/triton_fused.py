@@ -5,7 +5,8 @@ one grouped GEMM computes ``act(gate) * up`` for every assignment, a second appl
 projection and the routing weight, and a last kernel sums each token's ``top_k`` rows
 (``triton_fused_kernels`` has the details). No step reads the device on the host and every
 grid depends only on the token count, so a decode batch of fixed size can be captured in a
-CUDA graph. Routing stays the base class's ``softmax_top_k``.
+CUDA graph. Routing (softmax, top-k, renormalisation) is one more kernel
+(``triton_routing_kernels``) in place of torch's five.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from weir.moe import MoEBackend, activation_fn
 from weir.plugins.moe_backends.triton_fused_kernels import MoETiles, default_moe_tiles, fused_experts
+from weir.plugins.moe_backends.triton_routing_kernels import softmax_top_k_triton
 
 
 class TritonMoEBackend(MoEBackend):
@@ -26,6 +28,20 @@ class TritonMoEBackend(MoEBackend):
     def __init__(self) -> None:
         # Override for tests and the benchmark's tile sweep; None = default_moe_tiles.
         self.tiles: MoETiles | None = None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        router_logits: torch.Tensor,  # [num_tokens, num_experts]
+        w_gate_up: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]
+        w_down: torch.Tensor,  # [num_experts, hidden, intermediate]
+        top_k: int,
+        renormalize: bool,
+        activation: str = "silu",
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        """The base class's routing, computed by one fused kernel, then the experts."""
+        topk_weights, topk_ids = softmax_top_k_triton(router_logits, top_k, renormalize)
+        return self.experts(hidden, topk_weights, topk_ids, w_gate_up, w_down, activation)
 
     def experts(
         self,
