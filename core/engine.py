@@ -13,8 +13,8 @@ import logging
 import random
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from weir.config import EngineArgs, EngineConfig

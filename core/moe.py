@@ -51,10 +51,10 @@ def softmax_top_k(
 class MoEBackend(ABC):
     """A way to compute mixture-of-experts layers.
 
-    ``forward`` routes (softmax, top-k, optional renormalisation of the top-k weights) and then
-    calls ``experts``. Models with their own routing (sigmoid scores, grouped top-k, bias
-    correction) compute weights and ids themselves and call ``experts`` directly. A fused
-    backend may override ``forward`` to route inside its kernel.
+    ``forward`` routes (``route``: softmax, top-k, optional renormalisation of the top-k weights)
+    and then calls ``experts``. Models with their own routing (sigmoid scores, grouped top-k,
+    bias correction) compute weights and ids themselves and call ``experts`` directly. A backend
+    may override ``route`` with a fused kernel, or ``forward`` to route inside its expert kernels.
     """
 
     name: ClassVar[str]
@@ -78,8 +78,17 @@ class MoEBackend(ABC):
         activation: str = "silu",
     ) -> torch.Tensor:  # [num_tokens, hidden]
         """Softmax routing to ``top_k`` experts (weights renormalised when asked), then the experts."""
-        topk_weights, topk_ids = softmax_top_k(router_logits, top_k, renormalize)
+        topk_weights, topk_ids = self.route(router_logits, top_k, renormalize)
         return self.experts(hidden, topk_weights, topk_ids, w_gate_up, w_down, activation)
+
+    def route(
+        self,
+        router_logits: torch.Tensor,  # [num_tokens, num_experts]
+        top_k: int,
+        renormalize: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # weights [num_tokens, top_k] fp32, integer ids [num_tokens, top_k]
+        """``softmax_top_k``; a backend may compute the same in a fused kernel."""
+        return softmax_top_k(router_logits, top_k, renormalize)
 
     @abstractmethod
     def experts(

@@ -14,6 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 TESTS_DIR = Path(__file__).resolve().parent
 
 
@@ -29,6 +32,22 @@ def run_interpreted_checks(module_name: str, checks, timeout_s: int = 900) -> No
     that every one of ``checks`` passed."""
     code = f"import helpers_triton, {module_name} as checks; helpers_triton.run_checks(checks.CHECKS, 'cpu')"
     _run_in_interpreter(code, [check.__name__ for check in checks], timeout_s)
+
+
+def kernel_check_tests(module_name: str, checks):
+    """The two tests of a module of kernel checks: all of them interpreted on the CPU (in CI), and
+    each compiled on CUDA (marked gpu). Assign them to ``test_...`` names in that module."""
+
+    def interpreted_on_cpu():
+        run_interpreted_checks(module_name, checks)
+
+    @pytest.mark.gpu
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+    @pytest.mark.parametrize("check", checks, ids=lambda check: check.__name__)
+    def compiled_on_cuda(check):
+        check("cuda")
+
+    return interpreted_on_cpu, compiled_on_cuda
 
 
 def run_interpreted(module_name: str, function_name: str, expected_checks: list[str], timeout_s: int = 900) -> None:

@@ -3,10 +3,9 @@ RMSNorm and the Gated DeltaNet gates, on the CPU in Triton's interpreter and com
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from helpers_triton import run_interpreted_checks
+from helpers_triton import kernel_check_tests
 from weir.kernels.dispatch import forced_torch_ops
 from weir.layers.gates import delta_net_gates
 from weir.layers.norm import GatedRMSNorm
@@ -60,14 +59,4 @@ def check_delta_net_gates(device: str) -> None:
 
 CHECKS = [check_gated_rms_norm, check_delta_net_gates]
 
-
-
-def test_kernels_interpreted_on_cpu():
-    run_interpreted_checks("test_gated_kernels", CHECKS)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__)
-def test_kernels_on_cuda(check):
-    check("cuda")
+test_kernels_interpreted_on_cpu, test_kernels_on_cuda = kernel_check_tests("test_gated_kernels", CHECKS)

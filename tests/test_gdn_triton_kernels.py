@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers_triton import TESTS_DIR, run_interpreted_checks
+from helpers_triton import TESTS_DIR, kernel_check_tests
 from weir.linear_attention import GATED_DELTA_NET, GatedDeltaNetLayerSpec, LayerState, LinearAttentionMetadata
 
 SMALL = GatedDeltaNetLayerSpec(layer_idx=0, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16,
@@ -195,9 +195,7 @@ CHECKS = [check_conv_decode_step, check_gdn_decode_step, check_gdn_decode_step_1
           check_backend_decode_steps]
 
 
-
-def test_decode_kernels_interpreted_on_cpu():
-    run_interpreted_checks("test_gdn_triton_kernels", CHECKS)
+test_kernels_interpreted_on_cpu, test_kernels_on_cuda = kernel_check_tests("test_gdn_triton_kernels", CHECKS)
 
 
 def test_launchers_refuse_wrong_inputs():
@@ -290,13 +288,6 @@ def test_importing_the_backend_imports_no_fla_and_no_cuda(tmp_path):
 # ---------------------------------------------------------------------------------------- GPU
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__)
-def test_checks_compiled_on_cuda(check):
-    check("cuda")
 
 
 @pytest.mark.gpu

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers_triton import run_interpreted_checks
+from helpers_triton import kernel_check_tests
 
 
 def check_gemv_shapes_and_tiles(device: str) -> None:
@@ -38,16 +38,7 @@ def check_gemv_shapes_and_tiles(device: str) -> None:
 
 CHECKS = [check_gemv_shapes_and_tiles]
 
-
-def test_kernels_interpreted():
-    run_interpreted_checks("test_gemv_triton", CHECKS)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__)
-def test_kernels_on_cuda(check):
-    check("cuda")
+test_kernels_interpreted_on_cpu, test_kernels_on_cuda = kernel_check_tests("test_gemv_triton", CHECKS)
 
 
 @pytest.mark.gpu

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig
 
-from helpers_triton import run_interpreted_checks
+from helpers_triton import kernel_check_tests
 from weir.kernels.dispatch import forced_torch_ops
 from weir.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from weir.layers.norm import ZeroCenteredRMSNorm
@@ -220,17 +220,7 @@ CHECKS = [
     check_qk_norm_rope_matches_the_separate_kernels,
 ]
 
-
-
-def test_kernels_interpreted_on_cpu():
-    run_interpreted_checks("test_layers_triton", CHECKS)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__)
-def test_kernels_on_cuda(check):
-    check("cuda")
+test_kernels_interpreted_on_cpu, test_kernels_on_cuda = kernel_check_tests("test_layers_triton", CHECKS)
 
 
 @pytest.mark.gpu

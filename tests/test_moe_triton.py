@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from helpers_triton import run_interpreted_checks
+from helpers_triton import kernel_check_tests
 from weir.moe import softmax_top_k
 from weir.plugins.moe_backends.torch_ref import TorchMoEBackend
 
@@ -192,9 +192,7 @@ CHECKS = [
 ]
 
 
-
-def test_kernels_interpreted_on_cpu():
-    run_interpreted_checks("test_moe_triton", CHECKS)
+test_kernels_interpreted_on_cpu, test_kernels_on_cuda = kernel_check_tests("test_moe_triton", CHECKS)
 
 
 def test_backend_declares_cuda_and_graphs():
@@ -249,13 +247,6 @@ def test_bad_arguments_are_errors():
         backend.experts(hidden, topk_weights, topk_ids.float(), w_gate_up, w_down)
     with pytest.raises(ValueError, match="must have hidden's dtype"):
         backend.experts(hidden.bfloat16(), topk_weights, topk_ids, w_gate_up, w_down)
-
-
-@cuda
-@pytest.mark.gpu
-@pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__)
-def test_checks_on_cuda(check):
-    check("cuda")
 
 
 @pytest.fixture(scope="module")

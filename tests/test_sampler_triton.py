@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from helpers_triton import run_interpreted_checks
+from helpers_triton import kernel_check_tests
 from weir.kernels.dispatch import forced_torch_ops
 from weir.sample import Sampler, build_sampling_metadata, ops
 from weir.sampling_params import SamplingParams
@@ -191,17 +191,7 @@ CHECKS = [
     check_banned_tokens_are_never_sampled,
 ]
 
-
-
-def test_kernels_interpreted_on_cpu():
-    run_interpreted_checks("test_sampler_triton", CHECKS)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("check", CHECKS, ids=lambda check: check.__name__)
-def test_kernels_on_cuda(check):
-    check("cuda")
+test_kernels_interpreted_on_cpu, test_kernels_on_cuda = kernel_check_tests("test_sampler_triton", CHECKS)
 
 
 @pytest.mark.gpu

@@ -77,11 +77,10 @@ def dummy_forward(runner, query_lens: list[int], kv_caches) -> torch.Tensor:
     return runner.model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1])
 
 
-def sample_each_kind(runner, logits: torch.Tensor | None = None) -> None:
+def sample_each_kind(runner) -> None:
     """The sampler at every filter kind (each is its own kernel variant), all in one batch and alone."""
     vocab_size = runner.config.model.vocab_size
-    if logits is None:
-        logits = torch.randn(len(SAMPLING_KINDS), vocab_size, device=runner.device)
+    logits = torch.randn(len(SAMPLING_KINDS), vocab_size, device=runner.device)
     for kinds in (SAMPLING_KINDS, SAMPLING_KINDS[1:2], SAMPLING_KINDS[2:3]):
         metadata = build_sampling_metadata(list(kinds), seeds=list(range(len(kinds))), positions=[1] * len(kinds),
                                            vocab_size=vocab_size, device=runner.device,

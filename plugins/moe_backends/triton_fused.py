@@ -29,19 +29,14 @@ class TritonMoEBackend(MoEBackend):
         # Override for tests and the benchmark's tile sweep; None = default_moe_tiles.
         self.tiles: MoETiles | None = None
 
-    def forward(
+    def route(
         self,
-        hidden: torch.Tensor,  # [num_tokens, hidden]
         router_logits: torch.Tensor,  # [num_tokens, num_experts]
-        w_gate_up: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]
-        w_down: torch.Tensor,  # [num_experts, hidden, intermediate]
         top_k: int,
         renormalize: bool,
-        activation: str = "silu",
-    ) -> torch.Tensor:  # [num_tokens, hidden]
-        """The base class's routing, computed by one fused kernel, then the experts."""
-        topk_weights, topk_ids = softmax_top_k_triton(router_logits, top_k, renormalize)
-        return self.experts(hidden, topk_weights, topk_ids, w_gate_up, w_down, activation)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # weights [num_tokens, top_k] fp32, ids [num_tokens, top_k] int32
+        """The base class's softmax routing, in one fused kernel."""
+        return softmax_top_k_triton(router_logits, top_k, renormalize)
 
     def experts(
         self,
