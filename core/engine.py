@@ -112,12 +112,14 @@ class LLMEngine:
         args = EngineArgs.from_options(model, **options)
         registry = load_plugins()
         platform = registry.select_platform(args.device)
+        wait_for_device = platform.start_device_setup()
         platform_seconds = time.perf_counter() - start
         config = args.create_config(platform.device_type)
         model_cls = registry.resolve_model(config.model.architecture)
         logger.info("model %s (%s) on %s (plugins and platform %.1f s, config %.1f s)", config.model.model,
                     config.model.architecture, platform.name, platform_seconds,
                     time.perf_counter() - start - platform_seconds)
+        wait_for_device()
 
         def choose_attention_backends(layer_kinds: set[str]) -> dict[str, type]:
             return registry.select_attention_backends(platform, layer_kinds, args.attention_backend)

@@ -12,6 +12,7 @@ import time breaks forked workers. Availability is only probed when ``is_availab
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -46,6 +47,11 @@ class Platform(ABC):
     def device(self, index: int = 0) -> torch.device:
         """The torch device for local rank ``index``."""
         return torch.device(self.device_type, index)
+
+    def start_device_setup(self) -> Callable[[], None]:
+        """Begin the set-up that needs no model config (driver, context), so that it overlaps the
+        engine reading the config; returns a function that waits for it. Default: none to do."""
+        return lambda: None
 
     @abstractmethod
     def memory_info(self, index: int = 0) -> tuple[int, int]:

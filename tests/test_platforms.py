@@ -129,3 +129,13 @@ def test_cpu_default_kv_cache_is_capped(monkeypatch, available_gib, expected_byt
 def test_accelerators_do_not_guess_kv_cache_size():
     with pytest.raises(NotImplementedError, match="profiling"):
         CudaPlatform().default_kv_cache_bytes(model_bytes=_GIB)
+
+
+def test_background_device_setup_waits_and_never_raises(caplog):
+    import logging
+
+    assert CpuPlatform().start_device_setup()() is None  # nothing to set up
+    with caplog.at_level(logging.DEBUG, logger="weir.plugins.platforms.cuda"):
+        CudaPlatform().start_device_setup()()  # returns once the thread ended
+    if not torch.cuda.is_available():  # the failure is the engine's to report, later and clearly
+        assert "background device set-up failed" in caplog.text

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections.abc import Callable
+
 import torch
 
 from weir.platform import Platform
+
+logger = logging.getLogger(__name__)
 
 
 class TorchCudaPlatformBase(Platform):
@@ -28,6 +34,14 @@ class TorchCudaPlatformBase(Platform):
     def _torch_hip_version() -> str | None:
         return torch.version.hip
 
+    def start_device_setup(self) -> Callable[[], None]:
+        # The CUDA context and Triton's launcher helper (a C module Triton compiles with gcc on a
+        # cold machine) cost seconds at a cold start; reading the config (imports) takes longer.
+        thread = threading.Thread(target=_set_up_device, args=(self.device(),), name="weir-device-setup",
+                                  daemon=True)
+        thread.start()
+        return thread.join
+
     def memory_info(self, index: int = 0) -> tuple[int, int]:
         free, total = torch.cuda.mem_get_info(index)
         # Blocks torch's caching allocator holds but no tensor uses (an engine freed earlier in
@@ -37,6 +51,16 @@ class TorchCudaPlatformBase(Platform):
 
     def synchronize(self, index: int = 0) -> None:
         torch.cuda.synchronize(index)
+
+
+def _set_up_device(device: torch.device) -> None:
+    try:
+        torch.zeros(1, device=device)
+        from triton.runtime import driver
+
+        driver.active.get_current_device()
+    except Exception:  # noqa: BLE001 - the engine meets the same failure later and reports it there
+        logger.debug("background device set-up failed", exc_info=True)
 
 
 class CudaPlatform(TorchCudaPlatformBase):
