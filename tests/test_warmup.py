@@ -4,10 +4,18 @@ every shape they launch must be one the backends accept, for dense and hybrid mo
 from __future__ import annotations
 
 import logging
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
 
 from helpers_models import make_tiny_qwen3_next
 from weir import LLM
-from weir.runner.warmup import attention_shapes, compile_kernel_variants, dummy_metadata, scratch_caches
+from weir.runner.warmup import (
+    COMPILE_AHEAD_ENV, attention_shapes, compile_ahead, compile_ahead_safe, compile_kernel_variants, dummy_metadata,
+    scratch_caches,
+)
 
 
 def test_tasks_cover_prefill_classes_and_every_graph_batch(tiny_llm, caplog):
@@ -50,8 +58,6 @@ def test_hybrid_model_and_a_short_max_model_len(tmp_path, caplog):
 
 
 def test_triton_backend_keeps_one_shape_per_kernel_variant():
-    import torch
-
     from weir.attention import AttentionLayerSpec
     from weir.plugins.attention.triton_paged import TritonAttentionBackend
 
@@ -75,3 +81,64 @@ def backend_tiles(backend, layer, query_lens):
 def split_class(backend, layer, batch):
     splits = backend.num_kv_splits(batch, layer.num_kv_heads, 4096)
     return 1 if splits == 1 else 1 << (splits - 1).bit_length()
+
+
+class _RecordingKernel:
+    """Stands in for a Triton kernel: records whether each launch was a compile-only warm-up."""
+
+    def __init__(self):
+        from triton.runtime.jit import KernelInterface
+
+        class Kernel(KernelInterface):
+            def run(kernel, *args, grid, warmup, **kwargs):
+                self.calls.append((threading.current_thread().name, warmup))
+
+        self.calls = []
+        self.kernel = Kernel()
+
+
+def test_compile_ahead_turns_only_this_threads_launches_into_warmups():
+    pytest.importorskip("triton.runtime._async_compile")
+    from triton.runtime import _async_compile
+    from triton.runtime.jit import KernelInterface
+
+    recording = _RecordingKernel()
+    runner = SimpleNamespace(platform=SimpleNamespace(synchronize=lambda: None))
+    getitem = KernelInterface.__getitem__
+
+    def task():
+        recording.kernel[(1,)](1, 2)
+        other = threading.Thread(target=lambda: recording.kernel[(1,)](3), name="bystander")
+        other.start()
+        other.join()
+
+    assert compile_ahead(runner, [(task, ())], num_threads=2)
+    recording.kernel[(1,)](4)  # after the pass: launches again
+    assert recording.calls == [("MainThread", True), ("bystander", False), ("MainThread", False)]
+    assert KernelInterface.__getitem__ is getitem and _async_compile.active_mode.get() is None
+
+
+def test_compile_ahead_failure_restores_launches_and_reports(caplog):
+    pytest.importorskip("triton.runtime._async_compile")
+    from triton.runtime import _async_compile
+    from triton.runtime.jit import KernelInterface
+
+    getitem = KernelInterface.__getitem__
+    runner = SimpleNamespace(platform=SimpleNamespace(synchronize=lambda: None))
+
+    def broken_task():
+        raise RuntimeError("no such kernel")
+
+    with caplog.at_level(logging.WARNING, logger="weir.runner.warmup"):
+        assert not compile_ahead(runner, [(broken_task, ())], num_threads=2)
+    assert "compile-ahead pass failed (RuntimeError: no such kernel)" in caplog.text
+    assert KernelInterface.__getitem__ is getitem and _async_compile.active_mode.get() is None
+
+
+def test_compile_ahead_is_for_dense_cuda_models_only(tiny_llm, monkeypatch):
+    runner = tiny_llm.engine.runner
+    assert not compile_ahead_safe(runner)  # the CPU: nothing compiles
+    monkeypatch.setattr(runner, "device", torch.device("cuda"))
+    assert compile_ahead_safe(runner)
+    monkeypatch.setenv(COMPILE_AHEAD_ENV, "0")
+    assert not compile_ahead_safe(runner)

@@ -10,6 +10,11 @@ inputs and writes only the scratch cache's null block, so the tasks cannot distu
 
 Hybrid models run their tiny forward alone first: fla's autotuner times its candidate configs
 on the device, and concurrent work would skew what it picks.
+
+Dense models first take a compile-ahead pass (``compile_ahead``): the same tasks run in one
+thread with every Triton launch turned into a compile-only warm-up that Triton's
+``AsyncCompileMode`` hands to a thread pool, so all variants compile at once instead of one
+chain per task; the waves after it then find every kernel compiled.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -77,11 +83,11 @@ def dummy_forward(runner, query_lens: list[int], kv_caches) -> torch.Tensor:
     return runner.model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1])
 
 
-def sample_each_kind(runner) -> None:
+def sample_each_kind(runner, all_kinds: tuple[SamplingParams, ...] = SAMPLING_KINDS) -> None:
     """The sampler at every filter kind (each is its own kernel variant), all in one batch and alone."""
     vocab_size = runner.config.model.vocab_size
-    logits = torch.randn(len(SAMPLING_KINDS), vocab_size, device=runner.device)
-    for kinds in (SAMPLING_KINDS, SAMPLING_KINDS[1:2], SAMPLING_KINDS[2:3]):
+    logits = torch.randn(len(all_kinds), vocab_size, device=runner.device)
+    for kinds in (all_kinds, all_kinds[1:2], all_kinds[2:3]):
         metadata = build_sampling_metadata(list(kinds), seeds=list(range(len(kinds))), positions=[1] * len(kinds),
                                            vocab_size=vocab_size, device=runner.device,
                                            output_token_ids=[[1]] * len(kinds), prompt_token_ids=[[2]] * len(kinds))
@@ -135,11 +141,19 @@ def compile_kernel_variants(runner, scratch) -> None:
     first_wave = [(sample_each_kind, (runner,))]
     first_wave += [(attention_only, (runner, scratch, *first_decode))] if first_decode else []
     second_wave = [(attention_only, (runner, scratch, *shape)) for shape in shapes if shape is not first_decode]
+    num_threads = max(1, min(MAX_WARMUP_THREADS, os.cpu_count() or 1, 1 + len(first_wave) + len(second_wave)))
     if runner.state_layers:
         run_task(runner.device, *tiny_forward)
     else:
         first_wave.insert(0, tiny_forward)
-    num_threads = max(1, min(MAX_WARMUP_THREADS, os.cpu_count() or 1, len(first_wave) + len(second_wave)))
+        if compile_ahead_safe(runner):
+            # Every task but the sampler's logprobs kind (it indexes with sampled ids, which a
+            # compile-only pass leaves unwritten), plus decode batches of 1, 2 and 16 rows: the
+            # kernels that specialise on the token count (== 1, multiple of 16, other), and the
+            # one-row GEMV, would otherwise compile one by one during the graph capture.
+            decode_batches = [(dummy_forward, (runner, [1] * batch, scratch)) for batch in (1, 2, 16)]
+            compile_ahead(runner, [tiny_forward, (sample_each_kind, (runner, SAMPLING_KINDS[:-1]))] + decode_batches
+                          + [(attention_only, (runner, scratch, *shape)) for shape in shapes], num_threads)
     with ThreadPoolExecutor(num_threads, thread_name_prefix="weir-warmup") as pool:
         for wave in (first_wave, second_wave):
             for future in [pool.submit(run_task, runner.device, fn, args) for fn, args in wave]:
@@ -147,6 +161,60 @@ def compile_kernel_variants(runner, scratch) -> None:
     runner.platform.synchronize()
     logger.info("kernel variants compiled in %.1f s (%d attention shapes, %d threads)",
                 time.perf_counter() - start, len(shapes), num_threads)
+
+
+COMPILE_AHEAD_ENV = "WEIR_COMPILE_AHEAD"  # "0" turns the compile-ahead pass off
+
+
+def compile_ahead_safe(runner) -> bool:
+    """Whether a forward whose Triton kernels do not run is harmless for this model: only when
+    no torch op indexes with a Triton kernel's output (MoE routing and linear-attention state
+    kernels do) and every kernel compiles without autotuning (fla's would time no-ops)."""
+    return (runner.device.type == "cuda" and not runner.state_layers and runner.moe_backend is None
+            and os.environ.get(COMPILE_AHEAD_ENV, "1") != "0")
+
+
+class _CompileOnly(threading.local):
+    active = False
+
+
+def compile_ahead(runner, tasks, num_threads: int) -> bool:
+    """Run ``tasks`` in this thread with each Triton launch replaced by a compile-only warm-up
+    (``KernelInterface.run(warmup=True)``) under Triton's ``AsyncCompileMode``: every variant
+    compiles in a pool at once, none launches. Device buffers the kernels would have written
+    keep whatever they held, which ``compile_ahead_safe`` makes harmless. Returns False (and
+    the waves compile as they run) when this Triton lacks the machinery or a compile failed."""
+    try:
+        from triton.runtime import _async_compile
+        from triton.runtime.jit import KernelInterface
+    except ImportError:
+        return False
+    start = time.perf_counter()
+    compile_only = _CompileOnly()
+    launch = KernelInterface.__getitem__
+
+    def launch_or_compile(kernel, grid):
+        warmup = compile_only.active  # other threads (none should launch now) launch as usual
+        return lambda *args, **kwargs: kernel.run(*args, grid=grid, warmup=warmup, **kwargs)
+
+    KernelInterface.__getitem__ = launch_or_compile
+    compile_only.active = True
+    try:
+        with ThreadPoolExecutor(num_threads, thread_name_prefix="weir-compile") as pool:
+            with _async_compile.AsyncCompileMode(pool):
+                for fn, args in tasks:
+                    fn(*args)
+    except Exception as error:  # noqa: BLE001 - the waves compile again and report real errors
+        _async_compile.active_mode.set(None)  # Triton leaves it set when a compile raised
+        logger.warning("compile-ahead pass failed (%s: %s); compiling while warming up instead",
+                       type(error).__name__, error)
+        return False
+    finally:
+        compile_only.active = False
+        KernelInterface.__getitem__ = launch
+    runner.platform.synchronize()
+    logger.info("compile-ahead: %d tasks' kernels compiled in %.1f s", len(tasks), time.perf_counter() - start)
+    return True
 
 
 def run_task(device: torch.device, fn, args) -> None:
