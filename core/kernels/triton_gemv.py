@@ -51,10 +51,12 @@ def gemv_tiles(out_features: int) -> tuple[int, int, int]:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """``x [M, K] @ weight [N, K]^T`` (no bias; M of a few rows, each re-streams the weight);
-    returns [M, N] in x's dtype, accumulated in fp32."""
+    """``x [M, K] @ weight [N, K]^T`` (no bias; M of a few rows, each re-streams the weight;
+    ``weight`` rows contiguous); returns [M, N] in x's dtype, accumulated in fp32."""
     num_rows, in_features = x.shape
     out_features = weight.shape[0]
+    if weight.stride(-1) != 1:
+        raise ValueError(f"gemv needs weight rows contiguous, got strides {tuple(weight.stride())}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     y = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)

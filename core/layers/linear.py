@@ -30,7 +30,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (x.numel() == x.shape[-1] and self.bias is None and self.out_features >= MIN_GEMV_OUT_FEATURES
-                and use_triton(x)):
+                and self.weight.stride(-1) == 1 and use_triton(x)):
             # One row (a batch-1 decode step): Weir's GEMV streams the weight in one launch, where
             # cuBLAS picks split-K kernels plus a reduce for several of these shapes.
             out = triton_module("triton_gemv").gemv(x.reshape(1, -1), self.weight)

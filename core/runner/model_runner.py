@@ -33,6 +33,7 @@ from weir.runner.memory import profile_peak_bytes
 from weir.runner.request_table import RequestTable
 from weir.runner.sampling import gather_sampling_metadata
 from weir.runner.staged_write import host_to_device
+from weir.runner.warmup import compile_kernel_variants, scratch_caches
 from weir.sample.sampler import Sampler
 from weir.scheduler.output import SchedulerOutput
 from weir.weights import iter_checkpoint
@@ -151,6 +152,8 @@ class ModelRunner:
     def _kv_budget_bytes(self) -> int:
         cache = self.config.cache
         if cache.kv_cache_memory_bytes is not None:
+            if self.device.type == "cuda":  # no profiling run, but the kernels still compile now
+                compile_kernel_variants(self, scratch_caches(self))
             return cache.kv_cache_memory_bytes
         if self.device.type == "cpu":  # the state slots came out of the same default allowance
             state_bytes = self.linear_state.total_bytes if self.state_layers else 0
