@@ -77,7 +77,10 @@ class LLMEngine:
         self.config = config
         self.platform = platform
         self.model_config = config.model
-        # The tokenizer loads in a thread beside the model's load and warm-up (both need only the config).
+        # The tokenizer loads in a thread beside the model's load and warm-up (both need only the
+        # config). transformers' lazy top-level names are not thread-safe: resolve it here first.
+        from transformers import AutoTokenizer  # noqa: F401
+
         with ThreadPoolExecutor(1, thread_name_prefix="weir-tokenizer") as pool:
             tokenizer = pool.submit(load_tokenizer, config.model)
             self.runner = ModelRunner(config, platform, model_cls, choose_attention_backends, choose_moe_backend)
@@ -114,12 +117,14 @@ class LLMEngine:
         platform = registry.select_platform(args.device)
         wait_for_device = platform.start_device_setup()
         platform_seconds = time.perf_counter() - start
-        config = args.create_config(platform.device_type)
-        model_cls = registry.resolve_model(config.model.architecture)
-        logger.info("model %s (%s) on %s (plugins and platform %.1f s, config %.1f s)", config.model.model,
-                    config.model.architecture, platform.name, platform_seconds,
-                    time.perf_counter() - start - platform_seconds)
-        wait_for_device()
+        try:
+            config = args.create_config(platform.device_type)
+            model_cls = registry.resolve_model(config.model.architecture)
+            logger.info("model %s (%s) on %s (plugins and platform %.1f s, config %.1f s)", config.model.model,
+                        config.model.architecture, platform.name, platform_seconds,
+                        time.perf_counter() - start - platform_seconds)
+        finally:  # also on a bad config: no set-up thread may outlive a failed start
+            wait_for_device()
 
         def choose_attention_backends(layer_kinds: set[str]) -> dict[str, type]:
             return registry.select_attention_backends(platform, layer_kinds, args.attention_backend)

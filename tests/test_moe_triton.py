@@ -179,6 +179,10 @@ def check_routing_matches_softmax_top_k(device):
     wide = _randn(3, 20, device=device, seed=1)
     _, ids = softmax_top_k_triton(wide[:, ::2], 2, False)
     assert torch.equal(ids.long().cpu(), softmax_top_k(wide[:, ::2], 2, False)[1].cpu())
+    # A NaN or inf logit makes garbage weights (as torch's would be) but never an id out of range.
+    broken = torch.tensor([[float("nan"), 1.0, 2.0, 3.0], [float("inf"), 0.0, 1.0, 2.0]], device=device)
+    _, ids = softmax_top_k_triton(broken, 2, False)
+    assert ((ids >= 0) & (ids < 4)).all()
 
 
 CHECKS = [

@@ -57,6 +57,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int] | No
     out_features = weight.shape[0]
     if weight.stride(-1) != 1:
         raise ValueError(f"gemv needs weight rows contiguous, got strides {tuple(weight.stride())}")
+    if weight.shape[1] != in_features or weight.dtype != x.dtype:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not match weight {tuple(weight.shape)} {weight.dtype}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     y = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)

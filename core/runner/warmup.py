@@ -1,20 +1,23 @@
 """Compiling the kernel variants a server will launch, before the first request, in parallel.
 
 A cold start spends most of its time in Triton's compiler, one variant at a time, as the
-profiling run and the graph capture first launch each. The compiler works mostly outside the
-GIL (MLIR passes, ptxas), so the variants are launched here from a thread pool instead: a tiny
-whole-model forward (every layer's kernels once), the attention backend alone at each
-query-length class (prefill tiles) and at each decode batch the graph capture will use (KV split
-counts), and the sampler at each filter kind. Each task runs on its own stream with its own
-inputs and writes only the scratch cache's null block, so the tasks cannot disturb each other.
+profiling run and the graph capture first launch each. The warm-up tasks here launch every
+variant real steps will use: a tiny whole-model forward (every layer's kernels once), decode
+batches of 1, 2 and 16 rows (kernels that specialise on the token count, the one-row GEMV), the
+attention backend alone at each shape it names (``AttentionBackend.warmup_shapes``: prefill
+tiles, decode split counts) and the sampler at each filter kind.
 
-Hybrid models run their tiny forward alone first: fla's autotuner times its candidate configs
-on the device, and concurrent work would skew what it picks.
+For dense models on CUDA the tasks first run as a compile-ahead pass (``compile_ahead``): every
+Triton launch in this thread becomes a compile-only warm-up that Triton's ``AsyncCompileMode``
+hands to a thread pool, so all variants compile at once (the compiler works mostly outside the
+GIL: MLIR passes, ptxas); then each compiled kernel loads its module in the pool. The tasks then
+run for real, one after another in this thread, and find everything compiled and loaded.
 
-Dense models first take a compile-ahead pass (``compile_ahead``): the same tasks run in one
-thread with every Triton launch turned into a compile-only warm-up that Triton's
-``AsyncCompileMode`` hands to a thread pool, so all variants compile at once instead of one
-chain per task; the waves after it then find every kernel compiled.
+Launches stay in one thread because Triton's ``CompiledKernel`` is not safe to launch from two
+threads before its first launch has finished loading it (``_init_handles`` publishes the
+launcher before the function handle). Models where a skipped kernel would leave garbage that a
+torch op indexes with (MoE routing, linear-attention states), or whose kernels autotune (fla),
+skip the compile-ahead pass and compile as the tasks run.
 """
 
 from __future__ import annotations
@@ -129,38 +132,20 @@ def distinct_attention_layers(runner) -> list:
 
 
 def compile_kernel_variants(runner, scratch) -> None:
-    """Launch every kernel variant once (see the module docstring); returns when all finished.
-
-    Two waves, so that no variant compiles twice at once: the first holds the tiny forward, the
-    sampler and one decode batch (between them every kernel's first variant), the second the
-    remaining attention shapes, each of which only adds its own tile or split variant."""
+    """Launch every kernel variant once (see the module docstring); returns when all finished."""
     start = time.perf_counter()
-    tiny_forward = (dummy_forward, (runner, [1, 2], scratch))
     shapes = attention_shapes(runner)
-    first_decode = next((shape for shape in shapes if max(shape[1]) == 1), None)
-    first_wave = [(sample_each_kind, (runner,))]
-    first_wave += [(attention_only, (runner, scratch, *first_decode))] if first_decode else []
-    second_wave = [(attention_only, (runner, scratch, *shape)) for shape in shapes if shape is not first_decode]
-    num_threads = max(1, min(MAX_WARMUP_THREADS, os.cpu_count() or 1, 1 + len(first_wave) + len(second_wave)))
-    if runner.state_layers:
-        run_task(runner.device, *tiny_forward)
-    else:
-        first_wave.insert(0, tiny_forward)
-        if compile_ahead_safe(runner):
-            # Every task but the sampler's logprobs kind (it indexes with sampled ids, which a
-            # compile-only pass leaves unwritten), plus decode batches of 1, 2 and 16 rows: the
-            # kernels that specialise on the token count (== 1, multiple of 16, other), and the
-            # one-row GEMV, would otherwise compile one by one during the graph capture.
-            decode_batches = [(dummy_forward, (runner, [1] * batch, scratch)) for batch in (1, 2, 16)]
-            compile_ahead(runner, [tiny_forward, (sample_each_kind, (runner, SAMPLING_KINDS[:-1]))] + decode_batches
-                          + [(attention_only, (runner, scratch, *shape)) for shape in shapes], num_threads)
-    with ThreadPoolExecutor(num_threads, thread_name_prefix="weir-warmup") as pool:
-        for wave in (first_wave, second_wave):
-            for future in [pool.submit(run_task, runner.device, fn, args) for fn, args in wave]:
-                future.result()  # re-raises a task's error here
+    forwards = [(dummy_forward, (runner, query_lens, scratch)) for query_lens in ([1, 2], [1], [1, 1], [1] * 16)]
+    attention = [(attention_only, (runner, scratch, *shape)) for shape in shapes]
+    # The sampler's logprobs kind indexes with sampled ids, which a compile-only pass leaves unwritten.
+    compile_ahead_tasks = forwards + attention + [(sample_each_kind, (runner, SAMPLING_KINDS[:-1]))]
+    ahead = compile_ahead_safe(runner) and compile_ahead(runner, compile_ahead_tasks)
+    for fn, args in forwards + attention + [(sample_each_kind, (runner,))]:
+        fn(*args)
     runner.platform.synchronize()
-    logger.info("kernel variants compiled in %.1f s (%d attention shapes, %d threads)",
-                time.perf_counter() - start, len(shapes), num_threads)
+    logger.info("kernel variants %s in %.1f s (%d attention shapes)",
+                "compiled ahead and launched" if ahead else "compiled and launched", time.perf_counter() - start,
+                len(shapes))
 
 
 COMPILE_AHEAD_ENV = "WEIR_COMPILE_AHEAD"  # "0" turns the compile-ahead pass off
@@ -178,24 +163,34 @@ class _CompileOnly(threading.local):
     active = False
 
 
-def compile_ahead(runner, tasks, num_threads: int) -> bool:
+# compile_ahead patches a class of Triton's, which every thread of the process shares: one at a time.
+_COMPILE_AHEAD_LOCK = threading.Lock()
+
+
+def compile_ahead(runner, tasks, num_threads: int | None = None) -> bool:
     """Run ``tasks`` in this thread with each Triton launch replaced by a compile-only warm-up
     (``KernelInterface.run(warmup=True)``) under Triton's ``AsyncCompileMode``: every variant
-    compiles in a pool at once, none launches. Device buffers the kernels would have written
-    keep whatever they held, which ``compile_ahead_safe`` makes harmless. Returns False (and
-    the waves compile as they run) when this Triton lacks the machinery or a compile failed."""
+    compiles in a pool at once, none launches; then each compiled kernel loads its module, also
+    in the pool. Device buffers the kernels would have written keep whatever they held, which
+    ``compile_ahead_safe`` makes harmless. Returns False (the tasks then compile as they run)
+    when this Triton lacks the machinery, another compile mode is active, or anything raised."""
     try:
         from triton.runtime import _async_compile
         from triton.runtime.jit import KernelInterface
     except ImportError:
         return False
+    if _async_compile.active_mode.get() is not None or not _COMPILE_AHEAD_LOCK.acquire(blocking=False):
+        return False
     start = time.perf_counter()
+    num_threads = num_threads or max(1, min(MAX_WARMUP_THREADS, os.cpu_count() or 1))
     compile_only = _CompileOnly()
+    compiled: list = []  # what each skipped launch returned: a kernel, or a future of one
     launch = KernelInterface.__getitem__
 
     def launch_or_compile(kernel, grid):
-        warmup = compile_only.active  # other threads (none should launch now) launch as usual
-        return lambda *args, **kwargs: kernel.run(*args, grid=grid, warmup=warmup, **kwargs)
+        if not compile_only.active:  # other threads (none should launch now) launch as usual
+            return lambda *args, **kwargs: kernel.run(*args, grid=grid, warmup=False, **kwargs)
+        return lambda *args, **kwargs: compiled.append(kernel.run(*args, grid=grid, warmup=True, **kwargs))
 
     KernelInterface.__getitem__ = launch_or_compile
     compile_only.active = True
@@ -204,28 +199,34 @@ def compile_ahead(runner, tasks, num_threads: int) -> bool:
             with _async_compile.AsyncCompileMode(pool):
                 for fn, args in tasks:
                     fn(*args)
-    except Exception as error:  # noqa: BLE001 - the waves compile again and report real errors
-        _async_compile.active_mode.set(None)  # Triton leaves it set when a compile raised
+            compile_only.active = False
+            kernels = {id(kernel): kernel for kernel in (_result(item) for item in compiled) if kernel is not None}
+            # Distinct kernels load in parallel (on Triton 3.6 each also builds its launcher with gcc).
+            for future in [pool.submit(_load, runner.device, kernel) for kernel in kernels.values()]:
+                future.result()
+    except Exception as error:  # noqa: BLE001 - the tasks compile again as they run and report real errors
+        _async_compile.active_mode.set(None)  # ours (checked free above); Triton leaves it set when a compile raised
         logger.warning("compile-ahead pass failed (%s: %s); compiling while warming up instead",
                        type(error).__name__, error)
         return False
     finally:
         compile_only.active = False
         KernelInterface.__getitem__ = launch
+        _COMPILE_AHEAD_LOCK.release()
     runner.platform.synchronize()
-    logger.info("compile-ahead: %d tasks' kernels compiled in %.1f s", len(tasks), time.perf_counter() - start)
+    logger.info("compile-ahead: %d kernels compiled and loaded in %.1f s", len(kernels), time.perf_counter() - start)
     return True
 
 
-def run_task(device: torch.device, fn, args) -> None:
-    if device.type != "cuda":  # nothing to compile; CPU tests run the tasks for their shapes
-        fn(*args)
-        return
-    torch.cuda.set_device(device)
-    stream = torch.cuda.Stream(device)
-    with torch.cuda.stream(stream):
-        fn(*args)
-    stream.synchronize()
+def _result(item):
+    """A compile-only launch returns the compiled kernel, a future of it (async mode) or None."""
+    return item.result() if hasattr(item, "result") else item
+
+
+def _load(device: torch.device, kernel) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    kernel.run  # noqa: B018 - the property loads the module and builds the launcher on first use
 
 
 def split_tokens(num_tokens: int, max_len: int, max_reqs: int) -> list[int]:

@@ -26,7 +26,9 @@ def _softmax_top_k_kernel(
                      other=float("-inf")).to(tl.float32)  # [E]
     shifted = tl.exp(logits - tl.max(logits, axis=0))
     probs = shifted / tl.sum(shifted, axis=0)  # [E]; padded experts are exactly 0
-    remaining = tl.where(valid, probs, -1.0)  # a taken expert drops to -1, below every probability
+    # A taken expert drops to -1, below every probability; so do NaNs (a NaN or inf logit), so
+    # that the ids stay in range whatever the logits hold.
+    remaining = tl.where(valid & (probs == probs), probs, -1.0)
     slots = tl.arange(0, TOP_K_P)
     top_weights = tl.zeros([TOP_K_P], tl.float32)
     top_ids = tl.zeros([TOP_K_P], tl.int32)
