@@ -11,7 +11,10 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/gp
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 case "${1:-tests}" in
   tests)
+    # The device lacks openai (a CPU-test dependency of test_server_openai); a module that fails to
+    # import for another missing package must not stop every other GPU test either.
     timeout 540 python3 -m pytest -m gpu -q -p no:cacheprovider -k "not default_model" tests ${GPU_TESTS:-} \
+      --ignore=tests/test_server_openai.py --continue-on-collection-errors \
       > "$OUT/gpu-tests.log" 2>&1; tail -30 "$OUT/gpu-tests.log" ;;
   bench)
     timeout 240 weir bench throughput benchmarks/models/qwen3-0.6b --load-format dummy --num-prompts 256 \
