@@ -26,7 +26,7 @@ from weir.runner.model_runner import ModelRunner
 from weir.sampling_params import SamplingParams
 from weir.scheduler import Scheduler
 from weir.scheduler.scheduler import RequestUpdate
-from weir.tokenizer import encode_prompt, load_tokenizer
+from weir.tokenizer import encode_prompt, start_loading_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -77,12 +77,9 @@ class LLMEngine:
         self.config = config
         self.platform = platform
         self.model_config = config.model
-        # The tokenizer loads in a thread beside the model's load and warm-up (both need only the
-        # config). transformers' lazy top-level names are not thread-safe: resolve it here first.
-        from transformers import AutoTokenizer  # noqa: F401
-
+        # The tokenizer loads in a thread beside the model's load and warm-up (both need only the config).
         with ThreadPoolExecutor(1, thread_name_prefix="weir-tokenizer") as pool:
-            tokenizer = pool.submit(load_tokenizer, config.model)
+            tokenizer = start_loading_tokenizer(config.model, pool)
             self.runner = ModelRunner(config, platform, model_cls, choose_attention_backends, choose_moe_backend)
             self.tokenizer = tokenizer.result()
         prefix_caching = config.cache.enable_prefix_caching

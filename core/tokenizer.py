@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Executor, Future
 from typing import Any
 
 
@@ -16,6 +17,14 @@ def load_tokenizer(model_config: Any) -> Any:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as error:
         raise ValueError(f"cannot load a tokenizer from {path}: {error}") from error
+
+
+def start_loading_tokenizer(model_config: Any, pool: Executor) -> Future:
+    """``load_tokenizer`` in ``pool`` (beside the model's load). transformers' lazy top-level names
+    are not safe to resolve from two threads at once: ``AutoTokenizer`` is resolved here first."""
+    from transformers import AutoTokenizer  # noqa: F401
+
+    return pool.submit(load_tokenizer, model_config)
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], chat_template: str | None,

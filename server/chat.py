@@ -13,8 +13,7 @@ from weir.server.logprobs import TokenBytes, chat_logprobs
 from weir.server.protocol import ChatCompletionRequest
 from weir.server.shapes import ResponseHeader, engine_error, finish_reason, usage
 from weir.server.state import ServerState, new_request_id
-from weir.server.streaming import (DONE_EVENT, ClientDisconnected, EventStreamResponse, run_until_disconnect,
-                                  sse_event)
+from weir.server.streaming import DONE_EVENT, EventStreamResponse, final_outputs, sse_event
 
 
 async def create_chat_completion(request: Request, state: ServerState) -> Response:
@@ -34,14 +33,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         header.object = "chat.completion.chunk"
         events = _events(chat, header, generation, state.token_bytes)
         return EventStreamResponse(events, on_close=generation.close)
-    try:
-        output = await run_until_disconnect(request.receive, generation.final())
-    except ClientDisconnected:
-        raise
-    except Exception as error:
-        raise engine_error(error) from error
-    finally:
-        generation.close()
+    output = await final_outputs(request.receive, generation.final(), generation.close)
     return JSONResponse(_response_body(chat, header, output, state.token_bytes))
 
 

@@ -15,8 +15,7 @@ from weir.server.logprobs import completion_logprobs
 from weir.server.protocol import CompletionRequest
 from weir.server.shapes import ResponseHeader, engine_error, finish_reason, usage
 from weir.server.state import ServerState, new_request_id
-from weir.server.streaming import (DONE_EVENT, ClientDisconnected, EventStreamResponse, run_until_disconnect,
-                                  sse_event)
+from weir.server.streaming import DONE_EVENT, EventStreamResponse, final_outputs, sse_event
 
 
 async def create_completion(request: Request, state: ServerState) -> Response:
@@ -39,14 +38,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
 
     if body.stream:
         return EventStreamResponse(_events(body, header, generations, echoes), on_close=close_all)
-    try:
-        outputs = await run_until_disconnect(request.receive, asyncio.gather(*(g.final() for g in generations)))
-    except ClientDisconnected:
-        raise
-    except Exception as error:
-        raise engine_error(error) from error
-    finally:
-        close_all()
+    outputs = await final_outputs(request.receive, asyncio.gather(*(g.final() for g in generations)), close_all)
     choices, num_prompt_tokens, num_generated = [], 0, 0
     for prompt_index, output in enumerate(outputs):
         num_prompt_tokens += len(output.prompt_token_ids)

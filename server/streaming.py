@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from starlette.types import Receive, Scope, Send
 
+from weir.server.shapes import engine_error
+
 logger = logging.getLogger(__name__)
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
@@ -54,6 +56,19 @@ async def run_until_disconnect(receive: Receive, work: Awaitable):
     if client_left:
         raise ClientDisconnected()
     return work_task.result()
+
+
+async def final_outputs(receive: Receive, work: Awaitable, close: Callable[[], None]):
+    """A non-streaming request's outputs (``work``): ClientDisconnected if the client hangs up
+    first, the engine's failure as the server's APIError; ``close`` runs in every case."""
+    try:
+        return await run_until_disconnect(receive, work)
+    except ClientDisconnected:
+        raise
+    except Exception as error:
+        raise engine_error(error) from error
+    finally:
+        close()
 
 
 class EventStreamResponse:

@@ -10,15 +10,23 @@ nor the first requests wait on Triton's compiler.
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
 
-from weir.runner.warmup import compile_kernel_variants, dummy_forward, scratch_caches, split_tokens
+from weir.runner.warmup import compile_kernel_variants, dummy_forward, scratch_caches
 from weir.sample.metadata import build_sampling_metadata
 from weir.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+def split_tokens(num_tokens: int, max_len: int, max_reqs: int) -> list[int]:
+    """Query lengths of a dummy batch of ``num_tokens`` tokens: as few requests as fit."""
+    num_reqs = min(max_reqs, max(1, math.ceil(num_tokens / max_len)))
+    base, extra = divmod(num_tokens, num_reqs)
+    return [min(max_len, base + (1 if i < extra else 0)) for i in range(num_reqs)]
 
 
 def profile_peak_bytes(runner) -> tuple[int, int]:

@@ -23,7 +23,6 @@ skip the compile-ahead pass and compile as the tasks run.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
@@ -227,10 +226,3 @@ def _load(device: torch.device, kernel) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     kernel.run  # noqa: B018 - the property loads the module and builds the launcher on first use
-
-
-def split_tokens(num_tokens: int, max_len: int, max_reqs: int) -> list[int]:
-    """Query lengths of a dummy batch of ``num_tokens`` tokens: as few requests as fit."""
-    num_reqs = min(max_reqs, max(1, math.ceil(num_tokens / max_len)))
-    base, extra = divmod(num_tokens, num_reqs)
-    return [min(max_len, base + (1 if i < extra else 0)) for i in range(num_reqs)]

@@ -1,7 +1,8 @@
 """Softmax top-k routing in one Triton kernel (the Triton MoE backend's ``forward``).
 
 torch spends five launches on it (fp32 softmax, top-k gather, a sort, the renormalising sum
-and divide): about 25 us per layer at a 256-token decode step of a 512-expert model. Here one
+and divide): its softmax, top-k and sort kernels alone took 22 us per layer at a 256-token
+decode step of the 512-expert qwen3-next-24l on an H200 (scripts/profile_steps.py). Here one
 program per token loads its router logits, takes the fp32 softmax, and picks the top ``k`` by
 repeated argmax (ties go to the lower expert id), keeping the weights in registers until the
 optional renormalisation. Weights come out fp32 and sorted descending, as ``torch.topk``'s.
