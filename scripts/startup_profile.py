@@ -38,11 +38,60 @@ def record_compiles(records: list) -> bool:
     return True
 
 
+class ThreadSampler:
+    """Every ``interval`` seconds, the innermost frame of every other thread, so start-up time shows
+    per thread (the main thread's phases and the background threads' work). A gap between samples
+    much longer than ``interval`` means some thread held the GIL in native code all that while."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.samples: list[tuple[float, dict[str, str]]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="sampler", daemon=True)
+
+    def run(self) -> None:
+        import sys
+
+        names = {}
+        while not self.stop.is_set():
+            now = time.perf_counter()
+            names.update({thread.ident: thread.name for thread in threading.enumerate()})
+            frames = {}
+            for ident, frame in sys._current_frames().items():
+                name = names.get(ident, str(ident))
+                if name == "sampler":
+                    continue
+                where, weir_where = frame, None
+                while frame is not None and weir_where is None:
+                    if frame.f_globals.get("__name__", "").startswith("weir."):
+                        weir_where = frame
+                    frame = frame.f_back
+                frames[name] = (f"{where.f_code.co_filename.rsplit('/', 2)[-2:][-1]}:{where.f_code.co_name}"
+                                + (f" <- weir {weir_where.f_code.co_name}" if weir_where else ""))
+            self.samples.append((now, frames))
+            time.sleep(self.interval)
+
+    def report(self, start: float) -> None:
+        """Per thread and per second: the commonest innermost frames; then the longest gaps."""
+        by_second: dict[tuple[str, int], collections.Counter] = collections.defaultdict(collections.Counter)
+        for at, frames in self.samples:
+            for name, where in frames.items():
+                by_second[(name, int(at - start))][where] += 1
+        for (name, second), counter in sorted(by_second.items(), key=lambda item: (item[0][0], item[0][1])):
+            top = ", ".join(f"{where} x{count}" for where, count in counter.most_common(3))
+            print(f"  [{name[:18]:18s} {second:3d}s] {top}")
+        gaps = sorted(((b[0] - a[0], a) for a, b in zip(self.samples, self.samples[1:])), key=lambda g: -g[0])
+        for gap, (at, frames) in gaps[:12]:
+            print(f"  gap {gap * 1000:6.0f} ms at {at - start:5.1f} s after: {frames}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N",
                         help="also print the N costliest calls (cumulative) of the start-up")
+    parser.add_argument("--sample", type=float, default=0.0, metavar="MS",
+                        help="sample every thread's innermost frame every MS milliseconds")
     parser.add_argument("options", nargs="*", help="engine options, key=value")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)8.0f ms %(name)s: %(message)s")
@@ -60,10 +109,16 @@ def main() -> None:
         options[key] = int(value) if value.isdigit() else value
     profiler = cProfile.Profile() if args.cprofile else None
     start = time.perf_counter()
+    sampler = ThreadSampler(args.sample / 1000) if args.sample else None
+    if sampler:
+        sampler.thread.start()
     if profiler:
         profiler.enable()
     LLM(args.model, **options)
     total = time.perf_counter() - start
+    if sampler:
+        sampler.stop.set()
+        sampler.report(start)
     if profiler:
         profiler.disable()
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.cprofile)

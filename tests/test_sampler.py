@@ -164,6 +164,17 @@ def test_penalties_follow_the_formulas():
             assert result[row, token].item() == pytest.approx(value, abs=1e-6), (row, token)
 
 
+def test_penalty_state_counts_outputs_and_marks_prompts_per_row():
+    params = [SamplingParams(temperature=0.5, frequency_penalty=0.1)] * 3
+    metadata = build_sampling_metadata(params, [0, 1, 2], [0, 0, 0], 5, output_token_ids=[[1, 1, 4], [], [0]],
+                                       prompt_token_ids=[[2, 2], [3], []])
+    assert metadata.output_token_counts.tolist() == [[0, 2, 0, 0, 1], [0] * 5, [1, 0, 0, 0, 0]]
+    assert metadata.prompt_token_mask.tolist() == [[False, False, True, False, False],
+                                                   [False, False, False, True, False], [False] * 5]
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 5\)"):
+        build_sampling_metadata(params[:1], [0], [0], 5, output_token_ids=[[5]], prompt_token_ids=[[]])
+
+
 def test_penalties_change_what_the_sampler_picks():
     logits = torch.tensor([[5.0, 4.9, 0.0, 0.0]])
     params = [SamplingParams(temperature=0, repetition_penalty=2.0)]

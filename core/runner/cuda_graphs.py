@@ -79,22 +79,35 @@ class CudaGraphRunner:
         return self.model.compute_logits(hidden)  # [batch_size, vocab]
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, eager_first: bool = True) -> None:
+        """Capture every size, largest first, into one pool. ``eager_first`` runs each size once
+        before its capture, so kernels that compile or autotune on first launch (fla's, MoE tiles)
+        do it outside the capture; without it, every kernel must already be compiled and loaded."""
         start = time.perf_counter()
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
+        # Not torch.cuda.graph: it empties the allocator's cache before every capture, so each
+        # eager run after it pays cudaMalloc again.
+        capture_stream = torch.cuda.Stream(self.runner.device)
         for batch_size in reversed(self.capture_sizes):
-            self._forward(batch_size)  # compile and autotune outside the capture
+            if eager_first:
+                self._forward(batch_size)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[batch_size] = self._forward(batch_size)
+            capture_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(capture_stream):
+                graph.capture_begin(pool=pool)
+                try:
+                    self.logits[batch_size] = self._forward(batch_size)
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream().wait_stream(capture_stream)
             self.graphs[batch_size] = graph
         torch.cuda.synchronize()
         self.pool_bytes = free_before - torch.cuda.mem_get_info()[0]
-        logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s, %.2f GiB",
-                    len(self.graphs), self.capture_sizes[-1], time.perf_counter() - start,
-                    self.pool_bytes / 2**30)
+        logger.info("captured %d decode CUDA graphs (batch 1..%d%s) in %.1f s, %.2f GiB",
+                    len(self.graphs), self.capture_sizes[-1], ", each run eagerly first" if eager_first else "",
+                    time.perf_counter() - start, self.pool_bytes / 2**30)
 
     def replay(self, batch_size: int, input_ids, positions, seq_lens, block_tables, slot_mapping,
                state_indices=None) -> torch.Tensor:

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from weir.runner.warmup import compile_kernel_variants, dummy_forward, scratch_caches
+from weir.runner.warmup import dummy_forward, scratch_caches
 from weir.sample.metadata import build_sampling_metadata
 from weir.sampling_params import SamplingParams
 
@@ -64,7 +64,6 @@ def profile_peak_bytes(runner) -> tuple[int, int]:
                                            prompt_token_ids=[[2]] * num_rows)
         runner.sampler.sample(logits, metadata)
 
-    compile_kernel_variants(runner, scratch)
     start = time.perf_counter()
     step_peak = peak_of(largest_step)
     logger.info("profiling run: %.1f s", time.perf_counter() - start)

@@ -92,6 +92,9 @@ class ModelRunner:
                            and (self.moe_backend is None or self.moe_backend.supports_cuda_graphs)
                            and not config.enforce_eager and self.device.type == "cuda")
         self.max_graph_batch = min(config.scheduler.max_num_seqs, 512)
+        # Whether every Triton variant a step launches was compiled and loaded at warm-up
+        # (``compile_ahead``): graph capture then needs no eager run before each capture.
+        self.kernels_compiled_ahead = False
         self.num_state_slots = self._allocate_layer_states()
         self.num_blocks = self._num_kv_blocks()
         for layer in self.attn_layers:
@@ -108,7 +111,7 @@ class ModelRunner:
         self.graphs = None
         if self.use_graphs:
             self.graphs = CudaGraphRunner(self, default_capture_sizes(config.scheduler.max_num_seqs))
-            self.graphs.capture()
+            self.graphs.capture(eager_first=not self.kernels_compiled_ahead)
 
     def forward_context(self, attn_metadata: AttentionMetadata, kv_caches: list,
                         state_indices: torch.Tensor | None = None,
@@ -151,9 +154,9 @@ class ModelRunner:
 
     def _kv_budget_bytes(self) -> int:
         cache = self.config.cache
+        if self.device.type == "cuda":  # before the profiling run, which then compiles nothing
+            self.kernels_compiled_ahead = compile_kernel_variants(self, scratch_caches(self))
         if cache.kv_cache_memory_bytes is not None:
-            if self.device.type == "cuda":  # no profiling run, but the kernels still compile now
-                compile_kernel_variants(self, scratch_caches(self))
             return cache.kv_cache_memory_bytes
         if self.device.type == "cpu":  # the state slots came out of the same default allowance
             state_bytes = self.linear_state.total_bytes if self.state_layers else 0

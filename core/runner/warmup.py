@@ -130,8 +130,9 @@ def distinct_attention_layers(runner) -> list:
     return list(seen.values())
 
 
-def compile_kernel_variants(runner, scratch) -> None:
-    """Launch every kernel variant once (see the module docstring); returns when all finished."""
+def compile_kernel_variants(runner, scratch) -> bool:
+    """Launch every kernel variant once (see the module docstring); returns when all finished,
+    True when they were compiled ahead (every variant a step uses is then loaded)."""
     start = time.perf_counter()
     shapes = attention_shapes(runner)
     forwards = [(dummy_forward, (runner, query_lens, scratch)) for query_lens in ([1, 2], [1], [1, 1], [1] * 16)]
@@ -145,6 +146,7 @@ def compile_kernel_variants(runner, scratch) -> None:
     logger.info("kernel variants %s in %.1f s (%d attention shapes)",
                 "compiled ahead and launched" if ahead else "compiled and launched", time.perf_counter() - start,
                 len(shapes))
+    return ahead
 
 
 COMPILE_AHEAD_ENV = "WEIR_COMPILE_AHEAD"  # "0" turns the compile-ahead pass off

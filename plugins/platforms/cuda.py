@@ -60,6 +60,11 @@ def _set_up_device(device: torch.device) -> None:
         from triton.runtime import driver
 
         driver.active.get_current_device()
+        from triton.runtime import cache
+
+        # The first compilation's cache key hashes Triton's own sources and libtriton (hundreds
+        # of MB): 0.7 s on the main thread at the H200's cold start, mostly outside the GIL here.
+        getattr(cache, "triton_key", lambda: None)()
     except Exception:  # noqa: BLE001 - the engine meets the same failure later and reports it there
         logger.debug("background device set-up failed", exc_info=True)
 
