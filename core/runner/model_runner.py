@@ -154,7 +154,7 @@ class ModelRunner:
 
     def _kv_budget_bytes(self) -> int:
         cache = self.config.cache
-        if self.device.type == "cuda":  # before the profiling run, which then compiles nothing
+        if self.device.type != "cpu":  # before the profiling run, which then compiles nothing
             self.kernels_compiled_ahead = compile_kernel_variants(self, scratch_caches(self))
         if cache.kv_cache_memory_bytes is not None:
             return cache.kv_cache_memory_bytes
