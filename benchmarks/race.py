@@ -2,7 +2,10 @@
 
 Usage (on the GPU machine, vLLM unpacked on PYTHONPATH):
     python3 benchmarks/race.py OUT_DIR [--model qwen3-0.6b] [--sizes 256,1024] [--skip-vllm]
+                               [--variant LABEL="WEIR OPTIONS" ...]
 ``--model`` names a folder of benchmarks/models (config + tokenizer; weights are random).
+``--variant bf16-state="--linear-state-dtype bfloat16"`` also runs Weir with those options, as an
+extra row and records of workload ``<workload>-bf16-state``.
 Writes OUT_DIR/race-<model>-<date>.json and .md with both engines' figures and the Weir/vLLM
 ratio, and OUT_DIR/latest-records-<model>.json in the benchmarks/results/latest.json record shape.
 """
@@ -14,6 +17,7 @@ import datetime
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -43,12 +47,14 @@ def run(cmd: list[str], log: Path, env: dict | None = None, timeout: int = 900) 
     return proc.stdout
 
 
-def weir_throughput(model: Path, size: int, out_dir: Path, env: dict | None = None) -> dict:
-    result_file = out_dir / f"weir-{model.name}-{size}.json"
+def weir_throughput(model: Path, size: int, out_dir: Path, env: dict | None = None,
+                    label: str = "", options: tuple[str, ...] = ()) -> dict:
+    name = f"weir-{model.name}-{size}{'-' + label if label else ''}"
+    result_file = out_dir / f"{name}.json"
     run([sys.executable, "-m", "weir.cli.main", "bench", "throughput", str(model), "--load-format", "dummy",
          "--num-prompts", str(size), "--random-range", "100:1024,100:1024", "--temperature", "0.6",
          "--max-model-len", "4096", "--gpu-memory-utilization", "0.9", "--seed", "0",
-         "--output-json", str(result_file)], out_dir / f"weir-{model.name}-{size}.log", env=env)
+         "--output-json", str(result_file), *options], out_dir / f"{name}.log", env=env)
     return json.loads(result_file.read_text())
 
 
@@ -65,7 +71,8 @@ def vllm_throughput(model: Path, sizes: list[int], out_dir: Path) -> tuple[float
 def versions() -> dict:
     import torch
 
-    info = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}
+    # "cpu" lets the script be tried end to end without a GPU (tiny models, --skip-vllm).
+    info = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
     for name in ("triton", "transformers", "vllm"):
         try:
             info[name] = __import__(name).__version__
@@ -80,7 +87,11 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3-0.6b", help="a folder of benchmarks/models")
     parser.add_argument("--sizes", default="256,1024")
     parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--variant", action="append", default=[], metavar='LABEL="OPTIONS"',
+                        help="also run Weir with these extra bench options, recorded as <workload>-LABEL")
     args = parser.parse_args()
+    variants = [(label, tuple(shlex.split(options))) for label, options in
+                (item.split("=", 1) for item in args.variant)]
     args.out_dir.mkdir(parents=True, exist_ok=True)
     sizes = [int(s) for s in args.sizes.split(",")]
     date = datetime.date.today().isoformat()
@@ -94,17 +105,25 @@ def main() -> None:
         weir[size] = weir_throughput(model, size, args.out_dir, env=cold)
         print(f"weir {args.model} {size} requests: {weir[size]['output_tokens_per_second']:,.0f} out tok/s, "
               f"start-up {weir[size]['startup_seconds']:.1f} s", flush=True)
+    variant_runs = {}  # (label, size) -> result
+    for label, options in variants:
+        for size in sizes:
+            variant_runs[label, size] = weir_throughput(model, size, args.out_dir, label=label, options=options)
+            print(f"weir {label} {args.model} {size} requests: "
+                  f"{variant_runs[label, size]['output_tokens_per_second']:,.0f} out tok/s", flush=True)
     vllm_startup, vllm_rates = (None, {}) if args.skip_vllm else vllm_throughput(model, sizes, args.out_dir)
 
     records, rows = [], []
-    for size in sizes:
-        ours = weir[size]["output_tokens_per_second"]
+    runs = [("", size, weir[size]) for size in sizes]
+    runs += [(label, size, variant_runs[label, size]) for label, _ in variants for size in sizes]
+    for label, size, result in runs:
+        ours = result["output_tokens_per_second"]
         peer = vllm_rates.get(size)
-        workload = f"{args.model}-nano" if size == 256 else f"{args.model}-{size}"
+        workload = (f"{args.model}-nano" if size == 256 else f"{args.model}-{size}") + (f"-{label}" if label else "")
         records.append({"workload": workload, "metric": "output_tokens_per_second",
                         "weir": round(ours, 1), "peer": "vllm-0.26.0", "peer_value": peer,
                         "ratio": round(ours / peer, 3) if peer else None, "date": date, "device": info["gpu"]})
-        rows.append((f"{size} requests, output tok/s", f"{ours:,.0f}", f"{peer:,.0f}" if peer else "-",
+        rows.append((f"{size} requests, output tok/s{f' ({label})' if label else ''}", f"{ours:,.0f}", f"{peer:,.0f}" if peer else "-",
                      f"{ours / peer:.2f}" if peer else "-"))
     weir_startup = weir[sizes[0]]["startup_seconds"]
     records.append({"workload": f"startup-{args.model}", "metric": "startup_seconds", "weir": round(weir_startup, 1),
@@ -114,8 +133,10 @@ def main() -> None:
     rows.append(("start-up to ready, s", f"{weir_startup:.1f}", f"{vllm_startup:.1f}" if vllm_startup else "-",
                  f"{weir_startup / vllm_startup:.2f}" if vllm_startup else "-"))
 
-    command = f"python3 benchmarks/race.py OUT --model {args.model} --sizes {args.sizes}"
+    command = f"python3 benchmarks/race.py OUT --model {args.model} --sizes {args.sizes}" + "".join(
+        f" --variant {shlex.quote(item)}" for item in args.variant)
     report = {"date": date, "versions": info, "command": command, "weir": weir,
+              "weir_variants": {f"{label}-{size}": result for (label, size), result in variant_runs.items()},
               "vllm": {"startup_seconds": vllm_startup, "output_tokens_per_second": vllm_rates},
               "records": records}
     (args.out_dir / f"race-{args.model}-{date}.json").write_text(json.dumps(report, indent=2))
