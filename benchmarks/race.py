@@ -99,16 +99,18 @@ def main() -> None:
 
     model = HERE / "models" / args.model
     weir = {}
+    # One Triton cache for every Weir run, empty at first: the first run's start-up (the one
+    # reported) compiles and autotunes everything; later runs find it all there.
+    triton_cache = {"TRITON_CACHE_DIR": tempfile.mkdtemp(prefix="weir-race-triton-")}
     for size in sizes:  # printed at once: a later timeout must not lose them
-        # The first run's start-up is the one reported: it compiles every kernel (empty Triton cache).
-        cold = {"TRITON_CACHE_DIR": tempfile.mkdtemp(prefix="weir-cold-triton-")} if size == sizes[0] else None
-        weir[size] = weir_throughput(model, size, args.out_dir, env=cold)
+        weir[size] = weir_throughput(model, size, args.out_dir, env=triton_cache)
         print(f"weir {args.model} {size} requests: {weir[size]['output_tokens_per_second']:,.0f} out tok/s, "
               f"start-up {weir[size]['startup_seconds']:.1f} s", flush=True)
     variant_runs = {}  # (label, size) -> result
     for label, options in variants:
         for size in sizes:
-            variant_runs[label, size] = weir_throughput(model, size, args.out_dir, label=label, options=options)
+            variant_runs[label, size] = weir_throughput(model, size, args.out_dir, env=triton_cache, label=label,
+                                                        options=options)
             print(f"weir {label} {args.model} {size} requests: "
                   f"{variant_runs[label, size]['output_tokens_per_second']:,.0f} out tok/s", flush=True)
     vllm_startup, vllm_rates = (None, {}) if args.skip_vllm else vllm_throughput(model, sizes, args.out_dir)
