@@ -75,6 +75,19 @@ def test_qwen3_bf16_parity_with_graphs_and_eager(qwen3_path):
         print("eager" if eager else "graphs", "tokens identical before any near-tie divergence:", matched)
 
 
+def test_graph_pool_fits_in_what_kv_sizing_reserved(tmp_path):
+    """Every graph keeps its own [size, vocab] logits alive in the pool (2.4 GiB for Qwen3's vocab
+    over 36 sizes): KV sizing must reserve them, or the engine overshoots gpu_memory_utilization."""
+    from weir.runner.cuda_graphs import graph_pool_bytes_estimate
+
+    path = make_tiny_qwen3(tmp_path, num_hidden_layers=2, hidden_size=128, intermediate_size=256, head_dim=32,
+                           vocab_size=32000)
+    runner = LLM(str(path), dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=256).engine.runner
+    logits_bytes = graph_pool_bytes_estimate(0, runner.capture_sizes, 32000 * 2)
+    assert logits_bytes > 400 * 2**20  # the term this test is about dominates the pool here
+    assert logits_bytes <= runner.graphs.pool_bytes <= runner.graph_reserve_bytes + 64 * 2**20
+
+
 def test_default_model_bf16_matches_transformers():
     from transformers import AutoModelForCausalLM
 

@@ -28,6 +28,13 @@ def default_capture_sizes(max_num_seqs: int, limit: int = 512) -> list[int]:
     return sorted({size for size in sizes if size <= largest} | {largest})
 
 
+def graph_pool_bytes_estimate(decode_peak_bytes: int, capture_sizes: list[int], logits_row_bytes: int) -> int:
+    """Memory the graphs' pool will hold: one set of activations for the largest batch (the
+    captures reuse it, largest first: ``decode_peak_bytes`` of an eager run) plus every graph's
+    own logits output, which stays alive for replays ([size, vocab] each, beyond the largest's)."""
+    return decode_peak_bytes + (sum(capture_sizes) - max(capture_sizes, default=0)) * logits_row_bytes
+
+
 @dataclass
 class _StaticInputs:
     input_ids: torch.Tensor  # [max_bs] int64

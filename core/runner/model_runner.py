@@ -27,7 +27,7 @@ from weir.linear_attention import LayerState, LinearAttentionMetadata
 from weir.runner.linear_state import LinearAttentionState
 from weir.platform import Platform
 from weir.runner.async_output import AsyncOutput
-from weir.runner.cuda_graphs import CudaGraphRunner, default_capture_sizes
+from weir.runner.cuda_graphs import CudaGraphRunner, default_capture_sizes, graph_pool_bytes_estimate
 from weir.runner.inputs import gather_block_tables_and_slot_mapping, post_update, prepare_step_inputs
 from weir.runner.memory import profile_peak_bytes
 from weir.runner.request_table import RequestTable
@@ -92,9 +92,11 @@ class ModelRunner:
                            and (self.moe_backend is None or self.moe_backend.supports_cuda_graphs)
                            and not config.enforce_eager and self.device.type == "cuda")
         self.max_graph_batch = min(config.scheduler.max_num_seqs, 512)
+        self.capture_sizes = default_capture_sizes(config.scheduler.max_num_seqs) if self.use_graphs else []
         # Whether every Triton variant a step launches was compiled and loaded at warm-up
         # (``compile_ahead``): graph capture then needs no eager run before each capture.
         self.kernels_compiled_ahead = False
+        self.graph_reserve_bytes = 0  # what KV sizing left for the graphs' pool (measured: graphs.pool_bytes)
         self.num_state_slots = self._allocate_layer_states()
         self.num_blocks = self._num_kv_blocks()
         for layer in self.attn_layers:
@@ -110,7 +112,7 @@ class ModelRunner:
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.graphs = None
         if self.use_graphs:
-            self.graphs = CudaGraphRunner(self, default_capture_sizes(config.scheduler.max_num_seqs))
+            self.graphs = CudaGraphRunner(self, self.capture_sizes)
             self.graphs.capture(eager_first=not self.kernels_compiled_ahead)
 
     def forward_context(self, attn_metadata: AttentionMetadata, kv_caches: list,
@@ -163,16 +165,18 @@ class ModelRunner:
             return self.platform.default_kv_cache_bytes(self.weight_bytes) - state_bytes
         # Accelerators: the state is already allocated, so memory_info no longer counts it as free.
         step_peak, decode_peak = profile_peak_bytes(self)
-        graph_reserve = decode_peak if self.use_graphs else 0
+        if self.use_graphs:
+            logits_row_bytes = self.config.model.vocab_size * self.dtype.itemsize
+            self.graph_reserve_bytes = graph_pool_bytes_estimate(decode_peak, self.capture_sizes, logits_row_bytes)
         # The request table allocates its [rows, vocab] penalty state (int32 counts + bool mask)
         # when the first request with penalties arrives: keep room for it.
         penalty_state = self.config.scheduler.max_num_seqs * self.config.model.vocab_size * 5
         free, total = self.platform.memory_info()
-        budget = (int(total * cache.gpu_memory_utilization) - (total - free) - step_peak - graph_reserve
+        budget = (int(total * cache.gpu_memory_utilization) - (total - free) - step_peak - self.graph_reserve_bytes
                   - penalty_state)
         logger.info("memory: weights %.2f GiB, activations %.2f GiB, graphs (reserved) %.2f GiB, "
                     "KV budget %.2f GiB of %.2f GiB x %.2f", self.weight_bytes / GiB, step_peak / GiB,
-                    graph_reserve / GiB, budget / GiB, total / GiB, cache.gpu_memory_utilization)
+                    self.graph_reserve_bytes / GiB, budget / GiB, total / GiB, cache.gpu_memory_utilization)
         return budget
 
     def _num_kv_blocks(self) -> int:
