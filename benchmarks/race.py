@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -90,8 +91,12 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[], metavar='LABEL="OPTIONS"',
                         help="also run Weir with these extra bench options, recorded as <workload>-LABEL")
     args = parser.parse_args()
-    variants = [(label, tuple(shlex.split(options))) for label, options in
-                (item.split("=", 1) for item in args.variant)]
+    variants = []
+    for item in args.variant:
+        label, _, options = item.partition("=")
+        if not re.fullmatch(r"[\w.-]+", label) or not options or label in dict(variants):
+            parser.error(f"--variant {item!r}: want a distinct LABEL (letters, digits, . _ -)=\"OPTIONS\"")
+        variants.append((label, tuple(shlex.split(options))))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     sizes = [int(s) for s in args.sizes.split(",")]
     date = datetime.date.today().isoformat()
@@ -113,6 +118,7 @@ def main() -> None:
                                                         options=options)
             print(f"weir {label} {args.model} {size} requests: "
                   f"{variant_runs[label, size]['output_tokens_per_second']:,.0f} out tok/s", flush=True)
+    shutil.rmtree(triton_cache["TRITON_CACHE_DIR"], ignore_errors=True)
     vllm_startup, vllm_rates = (None, {}) if args.skip_vllm else vllm_throughput(model, sizes, args.out_dir)
 
     records, rows = [], []

@@ -118,6 +118,7 @@ def main() -> None:
     total = time.perf_counter() - start
     if sampler:
         sampler.stop.set()
+        sampler.thread.join()
         sampler.report(start)
     if profiler:
         profiler.disable()

@@ -83,8 +83,10 @@ def test_graph_pool_fits_in_what_kv_sizing_reserved(tmp_path):
     path = make_tiny_qwen3(tmp_path, num_hidden_layers=2, hidden_size=128, intermediate_size=256, head_dim=32,
                            vocab_size=32000)
     runner = LLM(str(path), dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=256).engine.runner
+    assert runner.kernels_compiled_ahead  # else eager runs before each capture add their own blocks
     logits_bytes = graph_pool_bytes_estimate(0, runner.capture_sizes, 32000 * 2)
     assert logits_bytes > 400 * 2**20  # the term this test is about dominates the pool here
+    # Beyond the estimate: the capture stream's cuBLAS workspace (32 MiB on Hopper) and small blocks.
     assert logits_bytes <= runner.graphs.pool_bytes <= runner.graph_reserve_bytes + 64 * 2**20
 
 

@@ -12,6 +12,7 @@ import torch
 
 from helpers_models import make_tiny_qwen3_next
 from weir import LLM
+from weir.runner.cuda_graphs import default_capture_sizes
 from weir.runner.warmup import (
     COMPILE_AHEAD_ENV, attention_shapes, compile_ahead, compile_ahead_safe, compile_kernel_variants, dummy_metadata,
     scratch_caches,
@@ -21,6 +22,7 @@ from weir.runner.warmup import (
 def test_tasks_cover_prefill_classes_and_every_graph_batch(tiny_llm, caplog):
     runner = tiny_llm.engine.runner
     runner.use_graphs = True  # as on CUDA: the decode batches of every captured size
+    runner.capture_sizes = default_capture_sizes(runner.config.scheduler.max_num_seqs)
     try:
         shapes = attention_shapes(runner)  # the torch backend: the generic shapes, every one
         assert {layer.layer_idx for layer, _, _ in shapes} == {0}  # one per distinct layer shape
@@ -34,7 +36,7 @@ def test_tasks_cover_prefill_classes_and_every_graph_batch(tiny_llm, caplog):
             compile_kernel_variants(runner, scratch_caches(runner))
         assert "kernel variants compiled" in caplog.text
     finally:
-        runner.use_graphs = False
+        runner.use_graphs, runner.capture_sizes = False, []
 
 
 def test_dummy_metadata_has_the_real_block_table_width(tiny_llm):

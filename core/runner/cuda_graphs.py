@@ -32,7 +32,13 @@ def graph_pool_bytes_estimate(decode_peak_bytes: int, capture_sizes: list[int], 
     """Memory the graphs' pool will hold: one set of activations for the largest batch (the
     captures reuse it, largest first: ``decode_peak_bytes`` of an eager run) plus every graph's
     own logits output, which stays alive for replays ([size, vocab] each, beyond the largest's)."""
-    return decode_peak_bytes + (sum(capture_sizes) - max(capture_sizes, default=0)) * logits_row_bytes
+    extra_logits = sorted(capture_sizes)[:-1]
+    return decode_peak_bytes + sum(_allocator_rounded(size * logits_row_bytes) for size in extra_logits)
+
+
+def _allocator_rounded(num_bytes: int) -> int:
+    """torch's caching allocator rounds blocks over 1 MiB up to a multiple of 2 MiB."""
+    return num_bytes if num_bytes <= 2**20 else -(-num_bytes // 2**21) * 2**21
 
 
 @dataclass
@@ -89,9 +95,11 @@ class CudaGraphRunner:
     def capture(self, eager_first: bool = True) -> None:
         """Capture every size, largest first, into one pool. ``eager_first`` runs each size once
         before its capture, so kernels that compile or autotune on first launch (fla's, MoE tiles)
-        do it outside the capture; without it, every kernel must already be compiled and loaded."""
+        do it outside the capture; without it, every kernel must already be compiled and loaded
+        (cuBLAS kernels for new shapes still load lazily inside the capture: CUDA 12.3 or newer)."""
         start = time.perf_counter()
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # as after the loop: free memory then counts no cached blocks
         free_before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
         # Not torch.cuda.graph: it empties the allocator's cache before every capture, so each
@@ -111,6 +119,9 @@ class CudaGraphRunner:
             torch.cuda.current_stream().wait_stream(capture_stream)
             self.graphs[batch_size] = graph
         torch.cuda.synchronize()
+        # Eager runs leave their blocks cached outside the graphs' pool; return them, so that
+        # what is measured below is the pool alone.
+        torch.cuda.empty_cache()
         self.pool_bytes = free_before - torch.cuda.mem_get_info()[0]
         logger.info("captured %d decode CUDA graphs (batch 1..%d%s) in %.1f s, %.2f GiB",
                     len(self.graphs), self.capture_sizes[-1], ", each run eagerly first" if eager_first else "",

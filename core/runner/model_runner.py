@@ -91,13 +91,15 @@ class ModelRunner:
                            and (self.linear_attn_backend is None or self.linear_attn_backend.supports_cuda_graphs)
                            and (self.moe_backend is None or self.moe_backend.supports_cuda_graphs)
                            and not config.enforce_eager and self.device.type == "cuda")
-        self.max_graph_batch = min(config.scheduler.max_num_seqs, 512)
-        self.capture_sizes = default_capture_sizes(config.scheduler.max_num_seqs) if self.use_graphs else []
         # Whether every Triton variant a step launches was compiled and loaded at warm-up
         # (``compile_ahead``): graph capture then needs no eager run before each capture.
         self.kernels_compiled_ahead = False
         self.graph_reserve_bytes = 0  # what KV sizing left for the graphs' pool (measured: graphs.pool_bytes)
         self.num_state_slots = self._allocate_layer_states()
+        # A hybrid model runs at most one request per state slot: no decode batch is larger.
+        max_running = min(config.scheduler.max_num_seqs, self.num_state_slots or config.scheduler.max_num_seqs)
+        self.max_graph_batch = min(max_running, 512)
+        self.capture_sizes = default_capture_sizes(max_running) if self.use_graphs else []
         self.num_blocks = self._num_kv_blocks()
         for layer in self.attn_layers:
             shape = self.attn_backend.kv_cache_shape(self.num_blocks, layer)

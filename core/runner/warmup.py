@@ -101,11 +101,7 @@ def attention_shapes(runner) -> list[tuple[object, list[int], list[int]]]:
     use (``AttentionBackend.warmup_shapes``), per distinct full-attention layer shape."""
     scheduler = runner.config.scheduler
     max_prefill_len = min(256, scheduler.max_num_batched_tokens - 1, scheduler.max_model_len)
-    decode_batches = []
-    if runner.use_graphs:
-        from weir.runner.cuda_graphs import default_capture_sizes
-
-        decode_batches = default_capture_sizes(scheduler.max_num_seqs)[::-1]  # captured largest first
+    decode_batches = runner.capture_sizes[::-1] if runner.use_graphs else []  # captured largest first
     return [(layer, *shape) for layer in distinct_attention_layers(runner)
             for shape in runner.attn_backend.warmup_shapes(layer, max_prefill_len, decode_batches,
                                                            scheduler.max_model_len)]
