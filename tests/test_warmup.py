@@ -144,3 +144,14 @@ def test_compile_ahead_is_for_dense_cuda_models_only(tiny_llm, monkeypatch):
     assert compile_ahead_safe(runner)
     monkeypatch.setenv(COMPILE_AHEAD_ENV, "0")
     assert not compile_ahead_safe(runner)
+
+
+def test_graph_pool_estimate_counts_each_smaller_graphs_logits_as_the_allocator_rounds_them():
+    from weir.runner.cuda_graphs import graph_pool_bytes_estimate
+
+    mib = 2**20
+    # The largest graph's logits are in its decode peak already; a 1 MiB block stays 1 MiB, blocks
+    # over 1 MiB round up to 2 MiB multiples (3 MiB -> 4 MiB).
+    assert graph_pool_bytes_estimate(100 * mib, [1, 3, 8], mib) == 100 * mib + mib + 4 * mib
+    assert graph_pool_bytes_estimate(7, [16], mib) == 7
+    assert graph_pool_bytes_estimate(0, [], mib) == 0
