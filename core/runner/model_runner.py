@@ -96,10 +96,11 @@ class ModelRunner:
         self.kernels_compiled_ahead = False
         self.graph_reserve_bytes = 0  # what KV sizing left for the graphs' pool (measured: graphs.pool_bytes)
         self.num_state_slots = self._allocate_layer_states()
-        # A hybrid model runs at most one request per state slot: no decode batch is larger.
-        max_running = min(config.scheduler.max_num_seqs, self.num_state_slots or config.scheduler.max_num_seqs)
-        self.max_graph_batch = min(max_running, 512)
-        self.capture_sizes = default_capture_sizes(max_running) if self.use_graphs else []
+        # A hybrid model runs at most one request per state slot: no step holds more requests.
+        self.max_running_reqs = min(config.scheduler.max_num_seqs,
+                                    self.num_state_slots or config.scheduler.max_num_seqs)
+        self.max_graph_batch = min(self.max_running_reqs, 512)
+        self.capture_sizes = default_capture_sizes(self.max_running_reqs) if self.use_graphs else []
         self.num_blocks = self._num_kv_blocks()
         for layer in self.attn_layers:
             shape = self.attn_backend.kv_cache_shape(self.num_blocks, layer)
@@ -185,8 +186,7 @@ class ModelRunner:
         budget = self._kv_budget_bytes()
         scheduler = self.config.scheduler
         # More blocks than every request that can run at once can use at full length would waste memory.
-        max_running = min(scheduler.max_num_seqs, self.num_state_slots or scheduler.max_num_seqs)
-        most_useful = max_running * self.max_blocks_per_req + 1
+        most_useful = self.max_running_reqs * self.max_blocks_per_req + 1
         num_blocks = min(max(budget, 0) // self.kv_bytes_per_block, most_useful)
         if num_blocks - 1 < self.max_blocks_per_req:
             raise ValueError(
