@@ -7,7 +7,6 @@ step N's tokens back, so the host's work overlaps the device's.
 
 from __future__ import annotations
 
-import atexit
 import gc
 import logging
 import random
@@ -95,13 +94,12 @@ class LLMEngine:
         self._in_flight: deque = deque()
         self._parents: dict[str, _Parent] = {}
         self._child_of: dict[str, tuple[_Parent, _Child]] = {}
-        # The step loop allocates many short-lived objects, and each full collection would rescan
+        # The step loop allocates many short-lived objects, and each full collection rescans
         # everything built at start-up (modules, tokenizer tables): measured at over 1 ms per
-        # step with 256 requests. Freeze what exists now and collect young objects less often.
-        if gc.get_freeze_count() == 0:  # the first engine of the process
-            atexit.register(gc.unfreeze)  # let interpreter shutdown free them (else: leak reports)
-        gc.collect()
-        gc.freeze()
+        # step with 256 requests under the default thresholds. Collect young objects less often
+        # and the old generation almost never. No gc.freeze(): a frozen object in a reference
+        # cycle is never collected, so an engine alive when the next one froze (a test fixture,
+        # a replaced LLM) kept its GPU memory for the life of the process.
         gc.set_threshold(20_000, 50, 1_000)
 
     @classmethod

@@ -1,6 +1,6 @@
 """Host time per engine step on the CPU, split by phase, for 256 requests on a tiny model.
 
-    python3 scripts/host_overhead.py [--no-gc-freeze]
+    python3 scripts/host_overhead.py [--default-gc]
 The model is tiny so the phases that would overlap the GPU (schedule, update, output
 building) show up; `execute` here includes the CPU forward itself.
 """
@@ -22,13 +22,12 @@ from weir import LLM, SamplingParams  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--no-gc-freeze", action="store_true", help="undo the engine's gc.freeze()")
+    parser.add_argument("--default-gc", action="store_true", help="undo the engine's GC thresholds")
     args = parser.parse_args()
     path = make_tiny_llama(pathlib.Path(tempfile.mkdtemp()), with_tokenizer=True, num_hidden_layers=1,
                            hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1)
     llm = LLM(str(path), device="cpu", max_model_len=512, max_num_seqs=256, block_size=16)
-    if args.no_gc_freeze:
-        gc.unfreeze()
+    if args.default_gc:
         gc.set_threshold(700, 10, 10)
     engine, seconds = llm.engine, collections.Counter()
 

@@ -1,7 +1,10 @@
 """Request lifecycles at the edges: a failed step, ids reused while a step is in flight, child
-ids of n>1, stop strings against min_tokens and max_tokens."""
+ids of n>1, stop strings against min_tokens and max_tokens; an engine's memory freed once dropped."""
 
 from __future__ import annotations
+
+import gc
+import weakref
 
 import pytest
 
@@ -92,3 +95,16 @@ def test_stop_string_on_the_last_allowed_token_is_a_stop(tiny_llm):
     output = tiny_llm.generate(PROMPT, GREEDY.clone(max_tokens=count, stop=[stop]), use_tqdm=False)[0].outputs[0]
     assert output.text == text[:-2]
     assert (output.finish_reason, output.stop_reason) == ("stop", stop)
+
+
+def test_dropped_engine_is_collected_even_in_a_reference_cycle(tiny_llama_path):
+    """On CUDA the runner and its graph runner refer to each other; such an engine, alive when a
+    second one was built, must still be collected (and free its device memory) once dropped."""
+    first = LLM(str(tiny_llama_path), device="cpu", max_model_len=256, block_size=4)
+    first.engine.runner.self_reference = first.engine.runner  # the cycle the CUDA graph runner makes
+    runner_alive = weakref.ref(first.engine.runner)
+    second = LLM(str(tiny_llama_path), device="cpu", max_model_len=256, block_size=4)
+    del first
+    gc.collect()
+    assert runner_alive() is None
+    assert second.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
