@@ -32,6 +32,10 @@ SWEEP_GEMMS = [  # (gate_up, down) pairs; each is tried with every block_m the b
     (GemmTiles(64, 64, 4, 3), GemmTiles(128, 64, 4, 3)),
     (GemmTiles(128, 64, 8, 3), GemmTiles(256, 64, 8, 3)),
     (GemmTiles(64, 64, 4, 4), GemmTiles(64, 64, 4, 4)),
+    # Prefill (hundreds of rows per expert): wider tiles, more warps, to raise reuse per byte.
+    (GemmTiles(64, 64, 8, 4), GemmTiles(128, 64, 8, 4)),
+    (GemmTiles(128, 64, 8, 4), GemmTiles(128, 128, 8, 3)),
+    (GemmTiles(64, 128, 8, 3), GemmTiles(256, 64, 8, 4)),
 ]
 
 
@@ -77,9 +81,11 @@ def sweep(num_tokens: int, batch, weights, iters: int) -> None:
         for gate_up, down in SWEEP_GEMMS:
             backend.tiles = MoETiles(block_m, gate_up, down)
             results.append((time_ms(lambda: backend.experts(*batch, *weights), iters, graph=True), backend.tiles))
-    for milliseconds, tiles in sorted(results, key=lambda result: result[0])[:5]:
+    flops = num_tokens * TOP_K * 3 * HIDDEN * INTERMEDIATE * 2  # gate, up and down GEMMs
+    ranked = sorted(results, key=lambda result: result[0])
+    for milliseconds, tiles in ranked[:5] + [result for result in ranked[5:] if result[1] == default]:
         marker = "  (default)" if tiles == default else ""
-        print(f"    {milliseconds:8.3f} ms  {tiles}{marker}", flush=True)
+        print(f"    {milliseconds:8.3f} ms {flops / milliseconds / 1e9:6.0f} TFLOP/s  {tiles}{marker}", flush=True)
 
 
 def main() -> None:

@@ -3,6 +3,8 @@ mixed vs pure decode) and decode batch size, then a torch-profiler table of a st
 
     python3 scripts/profile_steps.py benchmarks/models/qwen3-next-24l [--num-prompts 256] [--profile-batch 256]
     python3 scripts/profile_steps.py benchmarks/models/qwen3-8b --num-prompts 0 --profile-batch 1 --top 30
+    python3 scripts/profile_steps.py benchmarks/models/qwen3-next-24l --num-prompts 0 --profile-batch "" \
+        --profile-prefill 16x1024   # one prefill step of 16 prompts of 1024 tokens
 """
 
 from __future__ import annotations
@@ -85,6 +87,37 @@ def profile_window(llm, batch: int, top: int, num_steps: int = 6) -> None:
         print(f"  {event.self_device_time_total / num_steps:9.1f}  {event.count / num_steps:5.1f}x  {event.key[:90]}")
 
 
+def profile_prefill(llm, shape: str, top: int) -> None:
+    """Kernel table of one step that prefills ``NUMxLEN`` prompts (the engine's chunk permitting)."""
+    num_prompts, prompt_len = (int(part) for part in shape.split("x"))
+    engine = llm.engine
+    vocab_size = engine.config.model.vocab_size
+    for warm_up in (True, False):
+        ids = [f"{'w' if warm_up else 'f'}{index}" for index in range(num_prompts)]
+        for index, request_id in enumerate(ids):
+            prompt = [(index * 7919 + position) % min(10000, vocab_size) for position in range(prompt_len)]
+            engine.add_request(request_id, {"prompt_token_ids": prompt},
+                               SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1))
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        if warm_up:
+            engine.step()
+        else:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                engine.step()
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        while engine.has_unfinished_requests():
+            engine.step()
+    print(f"prefill step of {num_prompts}x{prompt_len} tokens: {elapsed_ms:.1f} ms wall (profiler attached)")
+    events = prof.key_averages()
+    total = sum(getattr(e, "self_device_time_total", 0.0) for e in events)
+    print(f"device busy {total / 1e3:.2f} ms; top kernels (us):")
+    for event in sorted(events, key=lambda e: -getattr(e, "self_device_time_total", 0.0))[:top]:
+        print(f"  {event.self_device_time_total:9.1f}  {event.count:5d}x  {event.key[:90]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
@@ -92,6 +125,8 @@ def main() -> None:
     parser.add_argument("--profile-batch", default="256,32")
     parser.add_argument("--top", type=int, default=14, help="kernels listed per profiled window")
     parser.add_argument("--linear-state-dtype", default=None)
+    parser.add_argument("--profile-prefill", default=None, metavar="NUMxLEN",
+                        help="also profile one step prefilling NUM prompts of LEN tokens")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)8.0f ms %(name)s: %(message)s")
     start = time.perf_counter()
@@ -102,8 +137,10 @@ def main() -> None:
     if args.num_prompts:
         prompts, max_tokens = random_workload(args.num_prompts, (100, 1024), (100, 1024), 0, 10000)
         timed_steps(llm, prompts, max_tokens)
-    for batch in args.profile_batch.split(","):
+    for batch in filter(None, args.profile_batch.split(",")):
         profile_window(llm, int(batch), args.top)
+    if args.profile_prefill:
+        profile_prefill(llm, args.profile_prefill, args.top)
 
 
 if __name__ == "__main__":
