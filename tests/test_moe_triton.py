@@ -131,7 +131,8 @@ def check_ragged_shapes_strides_and_tiles(device):
     expected = TorchMoEBackend().forward(hidden, router_logits, w_gate_up, w_down, top_k, False, "gelu")
     for tiles in (MoETiles(16, GemmTiles(32, 32, 4, 2), GemmTiles(32, 32, 4, 2)),
                   MoETiles(32, GemmTiles(16, 16, 4, 2), GemmTiles(64, 16, 4, 2)),
-                  MoETiles(64, GemmTiles(32, 64, 4, 2), GemmTiles(16, 32, 4, 2))):
+                  MoETiles(64, GemmTiles(32, 64, 4, 2), GemmTiles(16, 32, 4, 2)),
+                  MoETiles(128, GemmTiles(32, 32, 8, 2), GemmTiles(64, 32, 8, 2))):
         actual = _backend(tiles).forward(hidden, router_logits, w_gate_up, w_down, top_k, False, "gelu")
         _assert_matches_reference(actual, expected)
 
@@ -210,7 +211,7 @@ def test_tile_table():
     kernels = _kernels()
     assert kernels.default_moe_tiles(8192, 10, 512, torch.float32) == kernels.FP32_TILES
     previous_block_m = 0
-    for num_tokens in [1, 7, 51, 52, 256, 409, 410, 1024, 2048, 8192, 65536]:
+    for num_tokens in [1, 7, 51, 52, 256, 409, 410, 1024, 2048, 8192, 13107, 13108, 65536]:
         tiles = kernels.default_moe_tiles(num_tokens, 10, 512, torch.bfloat16)
         assert tiles.block_m >= previous_block_m, "bigger batches never get smaller row blocks"
         previous_block_m = tiles.block_m
@@ -219,6 +220,7 @@ def test_tile_table():
             assert size >= 16 and size & (size - 1) == 0, f"{tiles}: tl.dot needs powers of two >= 16"
     assert kernels.default_moe_tiles(1, 10, 512, torch.bfloat16).block_m == 16
     assert kernels.default_moe_tiles(8192, 10, 512, torch.bfloat16).block_m == 64
+    assert kernels.default_moe_tiles(16384, 10, 512, torch.bfloat16).block_m == 128
 
 
 def test_worst_case_block_count_covers_every_routing():
@@ -276,7 +278,7 @@ def _relative_error(actual, expected):
 
 @cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 7, 256, 1024, 2048, 8192])  # every tile-table row
+@pytest.mark.parametrize("num_tokens", [1, 7, 256, 1024, 2048, 8192, 16384])  # every tile-table row
 def test_qwen3_next_shapes_bf16(qwen3_next_experts, num_tokens):
     hidden, topk_weights, topk_ids = _qwen3_next_batch(num_tokens, seed=num_tokens)
     expected = TorchMoEBackend().experts(hidden, topk_weights, topk_ids, *qwen3_next_experts)
