@@ -63,8 +63,9 @@ BF16_TILE_TABLE: tuple[tuple[float, MoETiles], ...] = (
     (256.0, MoETiles(64, GemmTiles(64, 64, 4, 3), GemmTiles(128, 64, 4, 3))),
     # Full prefill chunks (16384 tokens: ~320 rows per expert): 128-row blocks and 8 warps double
     # the reuse of each loaded tile. H200, scripts/bench_moe.py --sweep: 3.22 ms vs 3.87 ms (the
-    # 64-row tiles) per Qwen3-Next layer at 16384 tokens, 320 vs 267 TFLOP/s; at 2048 tokens the
-    # 64-row tiles stay the fastest.
+    # 64-row tiles) per Qwen3-Next layer at 16384 tokens, 320 vs 267 TFLOP/s; at 2048 tokens (40
+    # rows) the 64-row tiles stay the fastest. The switch at 256 rows is a guess between the two:
+    # 8192 tokens (160 rows, 2 blocks of 128 would be 62% full) was not swept.
     (float("inf"), MoETiles(128, GemmTiles(128, 64, 8, 3), GemmTiles(256, 64, 8, 3))),
 )
 # Exact fp32 dots (tests, reference runs) need small tiles to stay out of register spills.
