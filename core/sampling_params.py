@@ -10,6 +10,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+GREEDY_BELOW_TEMPERATURE = 1e-5  # a positive temperature under this samples greedily
 
 def _is_int(value: object) -> bool:
     # bool is an int subclass, but `n=True` is a caller bug, not a count.
@@ -38,7 +39,7 @@ def _check_bool(name: str, value: object) -> bool:
 class SamplingParams:
     """How to sample the completion of one request.
 
-    ``temperature=0`` (or ``top_k=1``) is greedy decoding. ``top_k`` 0 or -1 means no top-k
+    ``temperature=0`` (or below 1e-5, or ``top_k=1``) is greedy decoding. ``top_k`` 0 or -1 means no top-k
     (-1 is normalised to 0). ``max_tokens=None`` means up to the context length. ``stop`` is
     normalised to a list. ``logprobs=k`` returns the sampled token's logprob plus the top k.
     """
@@ -88,6 +89,10 @@ class SamplingParams:
         self.temperature = _check_number("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature:g}")
+        if self.temperature < GREEDY_BELOW_TEMPERATURE:
+            # The limit is greedy anyway, and logits divided by a denormal float32 overflow to
+            # inf, after which sampling picks token 0. vLLM draws the line at the same place.
+            self.temperature = 0.0
         self.top_p = _check_number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p:g}")

@@ -9,7 +9,7 @@ import logging
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -48,7 +48,7 @@ def _endpoint(state: ServerState, handler, path: str, protected: bool):
             response = await handler(request, state)
         except APIError as error:
             response = error.response()
-        except ClientDisconnected:
+        except (ClientDisconnected, ClientDisconnect):  # gone while we answered, or while it uploaded
             state.metrics.observe_http(path, CLIENT_CLOSED_REQUEST)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except asyncio.CancelledError:
@@ -95,6 +95,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> Starlette:
         # uvicorn has already let in-flight requests finish (or cancelled them past the grace
         # period), so what is left to do is stop the engine thread.
         await engine.shutdown(grace_seconds=0.0)
+        state.close()
 
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error}, lifespan=lifespan)
     app.state.weir = state

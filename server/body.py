@@ -38,6 +38,9 @@ async def read_json(request: Request, limit: int) -> dict:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise bad_request(f"the request body is not valid JSON: {error}", code="invalid_json") from error
+    except RecursionError as error:
+        raise bad_request("the request body nests JSON arrays or objects too deeply to parse",
+                          code="invalid_json") from error
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got a JSON {type(data).__name__}")
     return data

@@ -23,9 +23,12 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     try:
         params = chat.to_sampling_params()
     except ValueError as error:
-        raise from_value_error(error, renamed={"logprobs": "top_logprobs"}) from error
+        renamed = {"logprobs": "top_logprobs"}
+        if chat.max_completion_tokens is not None:
+            renamed["max_tokens"] = "max_completion_tokens"
+        raise from_value_error(error, renamed=renamed) from error
     messages = [message.as_template_message(index) for index, message in enumerate(chat.messages)]
-    prompt_token_ids = state.render_chat(messages, chat.add_generation_prompt)
+    prompt_token_ids = await state.render_chat(messages, chat.add_generation_prompt)
     header = ResponseHeader(new_request_id("chatcmpl"), "chat.completion", state.served_model_name,
                             state.system_fingerprint)
     generation = await state.start(prompt_token_ids, None, params, header.request_id, "messages")

@@ -26,7 +26,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         params = body.to_sampling_params()
     except ValueError as error:
         raise from_value_error(error) from error
-    prompts = [_tokenized(state, prompt, body.echo) for prompt in body.prompts()]
+    prompts = [await _tokenized(state, prompt, body.echo) for prompt in body.prompts()]
     header = ResponseHeader(new_request_id("cmpl"), "text_completion", state.served_model_name,
                             state.system_fingerprint)
     generations = await state.start_all(prompts, params, header.request_id, "prompt")
@@ -50,9 +50,9 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     return JSONResponse(header.body(choices, usage=usage(num_prompt_tokens, num_generated)))
 
 
-def _tokenized(state: ServerState, prompt: str | list[int], echo: bool) -> tuple[list[int], str | None]:
+async def _tokenized(state: ServerState, prompt: str | list[int], echo: bool) -> tuple[list[int], str | None]:
     if isinstance(prompt, str):
-        return state.encode(prompt), prompt
+        return await state.encode(prompt), prompt
     vocab_size = state.engine.engine.model_config.vocab_size
     bad = [token_id for token_id in prompt if not 0 <= token_id < vocab_size]
     if bad:

@@ -69,6 +69,9 @@ def from_value_error(error: ValueError, default_param: str | None = None,
     message = str(error)
     first_word = re.split(r"[ =]", message, maxsplit=1)[0]
     param = first_word if first_word in SamplingParams.__dataclass_fields__ else default_param
-    param = (renamed or {}).get(param, param)
+    if renamed and param in renamed:
+        if param == first_word:  # the message names the field sent too
+            message = renamed[param] + message[len(first_word):]
+        param = renamed[param]
     code = "context_length_exceeded" if "max_model_len" in message else "invalid_value"
     return bad_request(message, param=param, code=code)

@@ -44,9 +44,9 @@ async def tokenize(request: Request, state: ServerState) -> Response:
         raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
     if body.messages is not None:
         messages = [message.as_template_message(index) for index, message in enumerate(body.messages)]
-        token_ids = state.render_chat(messages, body.add_generation_prompt)
+        token_ids = await state.render_chat(messages, body.add_generation_prompt)
     else:
-        token_ids = state.encode(body.prompt, body.add_special_tokens)
+        token_ids = await state.encode(body.prompt, body.add_special_tokens)
     return JSONResponse({"count": len(token_ids), "max_model_len": state.max_model_len, "tokens": token_ids})
 
 

@@ -14,6 +14,10 @@ from pydantic import BaseModel, ConfigDict
 from weir.sampling_params import SamplingParams
 from weir.server.errors import bad_request, unsupported
 
+# OpenAI's limit: each choice is a sequence the engine schedules, so one request must not be able
+# to queue an unbounded number of them ahead of everyone else.
+MAX_N = 128
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
@@ -81,6 +85,8 @@ class _SamplingRequest(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def check_common(self) -> None:
+        if self.n > MAX_N:
+            raise bad_request(f"n must be <= {MAX_N}, got {self.n}", param="n")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
         if self.logit_bias:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from weir import __version__
@@ -33,27 +35,41 @@ class ServerState:
         self.token_bytes = TokenBytes(self.tokenizer)
         self.version = __version__
         self.system_fingerprint = f"fp_weir_{__version__}"
+        # Tokenizing and rendering chat templates run here, not on the event loop: a prompt of
+        # megabytes takes seconds (fast tokenizers release the GIL meanwhile), and the loop must
+        # keep streaming everyone else's tokens. Two threads, so one huge prompt does not hold
+        # up every other request's tokenizing; fast tokenizers encode concurrently (the engine
+        # thread already decodes beside them).
+        self._tokenizer_pool = ThreadPoolExecutor(2, thread_name_prefix="weir-tokenize")
+
+    def close(self) -> None:
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.served_model_name:
             raise APIError(404, f"The model '{name}' does not exist; this server serves "
                                 f"'{self.served_model_name}'", param="model", code="model_not_found")
 
-    # Tokenizing runs on the event loop thread; the engine thread only decodes, and fast
-    # tokenizers allow that concurrently.
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         try:
-            return apply_chat_template(self.tokenizer, messages, self.chat_template, add_generation_prompt)
+            return await self._off_loop(apply_chat_template, self.tokenizer, messages, self.chat_template,
+                                        add_generation_prompt)
         except ValueError as error:
             raise bad_request(str(error), param="messages") from error
         except Exception as error:  # a Jinja error names what in the template broke
             raise bad_request(f"the chat template cannot render these messages: {error}",
                               param="messages") from error
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if add_special_tokens:
-            return encode_prompt(self.tokenizer, text)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    async def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        try:
+            if add_special_tokens:
+                return await self._off_loop(encode_prompt, self.tokenizer, text)
+            return await self._off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=False))
+        except Exception as error:  # text the tokenizer refuses, e.g. a lone UTF-16 surrogate
+            raise bad_request(f"the prompt cannot be tokenized: {error}", param=param) from error
 
     def decode(self, token_ids: list[int]) -> str:
         vocab_size = self.engine.engine.model_config.vocab_size

@@ -43,6 +43,9 @@ def test_top_k_1_equals_greedy(tiny_llm):
     greedy = generate_one(tiny_llm, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     top1 = generate_one(tiny_llm, SamplingParams(temperature=1.5, top_k=1, max_tokens=24, ignore_eos=True))
     assert top1.token_ids == greedy.token_ids
+    # A denormal temperature would overflow the logits to inf (and sample token 0): it is greedy.
+    tiny = generate_one(tiny_llm, SamplingParams(temperature=1e-40, max_tokens=24, ignore_eos=True))
+    assert tiny.token_ids == greedy.token_ids
 
 
 def test_stop_string_is_cut_and_reported(tiny_llm):

@@ -28,6 +28,10 @@ def test_is_greedy_and_uses_penalties():
     assert SamplingParams(temperature=0).is_greedy
     assert SamplingParams(temperature=0.8, top_k=1).is_greedy
     assert not SamplingParams(temperature=0.8, top_k=2).is_greedy
+    # Logits over a denormal temperature overflow to inf: such temperatures mean greedy.
+    assert SamplingParams(temperature=1e-40).is_greedy and SamplingParams(temperature=1e-40).temperature == 0
+    assert SamplingParams(temperature=1e-6).is_greedy
+    assert not SamplingParams(temperature=1e-5).is_greedy
     assert SamplingParams(presence_penalty=0.5).uses_penalties
     assert SamplingParams(frequency_penalty=-0.5).uses_penalties
     assert SamplingParams(repetition_penalty=1.1).uses_penalties

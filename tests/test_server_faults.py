@@ -1,9 +1,11 @@
 """Faults inside the server: an engine step that raises, a handler that raises, a dead engine
-loop, and queued prompt tokens over the admission limit (engine paused, so it is exact)."""
+loop, queued prompt tokens over the admission limit (engine paused, so it is exact), a prompt
+that takes long to tokenize, a client gone in the middle of its upload."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -88,6 +90,47 @@ def test_queued_prompt_tokens_over_the_limit_get_503(served):
     finally:
         gate.set()
     assert admission.num_waiting_tokens == 0 and admission.num_requests == 0
+
+
+def test_tokenizing_a_prompt_does_not_stop_the_event_loop(served, monkeypatch):
+    """A prompt of megabytes took over 20 s to tokenize on the event loop, and nobody else was
+    answered meanwhile: the tokenizer is held here until /health has answered."""
+    import weir.server.state
+
+    port, _, _ = served
+    entered, release = threading.Event(), threading.Event()
+    original = weir.server.state.encode_prompt
+
+    def slow_encode(tokenizer, text):
+        entered.set()
+        release.wait(30)
+        return original(tokenizer, text)
+
+    monkeypatch.setattr(weir.server.state, "encode_prompt", slow_encode)
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(request, "POST", port, "/v1/completions", COMPLETION)
+        try:
+            assert entered.wait(10)
+            assert request("GET", port, "/health", timeout=10)[0] == 200
+            assert request("POST", port, "/detokenize", {"tokens": [72, 105]}, timeout=10)[0] == 200
+        finally:
+            release.set()
+        assert slow.result(60)[0] == 200
+
+
+def test_a_client_gone_mid_upload_is_a_499_not_a_500(served):
+    port, _, _ = served
+    endpoint = "/v1/completions"
+    before = scrape_metrics(port)
+    with socket.create_connection(("127.0.0.1", port)) as connection:
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                           b"content-length: 1000\r\n\r\n{\"prompt\": \"ab")  # 1000 bytes promised
+    counted = wait_until(lambda: metric(scrape_metrics(port), "weir:http_requests_total", endpoint=endpoint,
+                                        status="499") > metric(before, "weir:http_requests_total",
+                                                               endpoint=endpoint, status="499"), timeout=10)
+    assert counted
+    assert metric(scrape_metrics(port), "weir:http_requests_total", endpoint=endpoint, status="500") == \
+        metric(before, "weir:http_requests_total", endpoint=endpoint, status="500")
 
 
 class FatalLoopError(BaseException):
