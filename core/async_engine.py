@@ -200,12 +200,12 @@ class AsyncLLMEngine:
         try:
             outputs = self.engine.step()
         except Exception as error:
-            # The step's failure cannot be pinned on one request of the batch: fail the ones in
-            # it, free their state, and keep serving the ones that arrive next.
-            logger.exception("engine step failed; failing the requests in flight")
-            self._fail_all(RequestFailedError(f"the engine failed while running this request: {error!r}"))
-            self._abort_all()
-            self.engine.reset_after_failure()
+            # The step's failure cannot be pinned on one request of the batch: fail the ones
+            # that ran, free their state, and keep serving the ones still waiting and those
+            # that arrive next.
+            logger.exception("engine step failed; failing the requests that were running")
+            failed = self.engine.reset_after_failure()
+            self._fail(failed, RequestFailedError(f"the engine failed while running this request: {error!r}"))
             return
         deliveries: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         for output in outputs:
@@ -229,6 +229,17 @@ class AsyncLLMEngine:
         request_ids = list(self._streams)
         self._streams.clear()
         self.engine.abort_request(request_ids)
+
+    def _fail(self, request_ids, error: BaseException) -> None:
+        """Deliver ``error`` to these requests' streams and forget them (the engine has already
+        let go of the requests)."""
+        deliveries: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        for request_id in request_ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                deliveries[stream.loop].append((stream, error))
+        for loop, items in deliveries.items():
+            _deliver_threadsafe(loop, items)
 
     def _fail_pending_calls(self, error: BaseException) -> None:
         """Answer the commands nobody will run any more, so no caller waits forever."""

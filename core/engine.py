@@ -202,14 +202,26 @@ class LLMEngine:
                 self._child_of.pop(child.request.request_id, None)
                 self.scheduler.finish_request(child.request.request_id, RequestStatus.FINISHED_ABORTED)
 
-    def reset_after_failure(self) -> None:
-        """After a step raised: drop the steps in flight and abort every request, so the next
-        requests start from a consistent state (their rows and blocks are freed as usual)."""
+    def reset_after_failure(self) -> list[str]:
+        """After a step raised: drop the steps in flight and abort every request that has run,
+        so the next steps start from a consistent state (their rows and blocks are freed as
+        usual). Returns the aborted request ids.
+
+        Requests that never ran (every child still waiting for its first step) hold no blocks,
+        runner row or state slot, and no failed step touched them: they keep their place. Any
+        that has run might have been in the failed step, so it is aborted; so is a preempted one,
+        whose runner row the failed step may not have released yet.
+        """
         self._in_flight.clear()
-        self.abort_request(list(self._parents))
+        never_ran = {request.request_id for request in self.scheduler.waiting
+                     if request.status == RequestStatus.WAITING and request.num_output_placeholders == 0}
+        failed = [request_id for request_id, parent in self._parents.items()
+                  if any(child.request.request_id not in never_ran for child in parent.children)]
+        self.abort_request(failed)
         # Blocks were registered in the prefix cache when scheduled; the failed step may never
         # have written their KV.
         self.scheduler.kv_cache.pool.reset_prefix_cache()
+        return failed
 
     def has_unfinished_requests(self) -> bool:
         """True while any request, step in flight, or runner row still needs a step."""

@@ -37,8 +37,10 @@ class LLM:
                 request_ids.append(request_id)
             return self._run(request_ids, use_tqdm)
         except BaseException:
-            # The step that raised may have left blocks registered but never written.
+            # The step that raised may have left blocks registered but never written. The call
+            # fails as a whole, so the requests the reset spared (still waiting) go too.
             self.engine.reset_after_failure()
+            self.engine.abort_request(request_ids)
             self._drain()
             raise
 

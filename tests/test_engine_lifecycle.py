@@ -1,5 +1,6 @@
-"""Request lifecycles at the edges: a failed step, ids reused while a step is in flight, child
-ids of n>1, stop strings against min_tokens and max_tokens; an engine's memory freed once dropped."""
+"""Request lifecycles at the edges: a failed step (and the requests it spares), ids reused while a
+step is in flight, child ids of n>1, stop strings against min_tokens and max_tokens; an engine's
+memory freed once dropped."""
 
 from __future__ import annotations
 
@@ -41,6 +42,28 @@ def test_failed_step_does_not_poison_the_prefix_cache(tiny_llama_path):
     del model.forward
     assert_nothing_held(llm)
     assert llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_failed_step_aborts_what_ran_and_spares_what_waited(tiny_llama_path, async_scheduling):
+    llm = LLM(str(tiny_llama_path), device="cpu", max_model_len=256, block_size=4, max_num_seqs=2,
+               async_scheduling=async_scheduling)
+    waiting_prompt = {"prompt_token_ids": list(range(100, 130))}
+    expected = llm.generate(waiting_prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    engine = llm.engine
+    long_run = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    engine.add_request("running", PROMPT, long_run)
+    engine.add_request("running-n2", PROMPT, long_run.clone(n=2, temperature=0.8, seed=1))  # both slots
+    engine.add_request("waiting", waiting_prompt, GREEDY)  # max_num_seqs=2: it cannot start yet
+    engine.step()
+    engine.step()
+    engine.runner.execute = lambda *args: (_ for _ in ()).throw(RuntimeError("injected failure"))
+    with pytest.raises(RuntimeError, match="injected failure"):
+        engine.step()
+    del engine.runner.execute
+    assert sorted(engine.reset_after_failure()) == ["running", "running-n2"]
+    assert run_to_end(engine, "waiting").outputs[0].token_ids == expected
+    assert_nothing_held(llm)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])

@@ -60,6 +60,21 @@ def test_engine_step_failure_fails_the_requests_in_it_and_serving_goes_on(served
     assert metric(samples, "weir:request_success_total", finished_reason="error") == 2
 
 
+def test_a_failed_step_spares_the_requests_still_waiting(tiny_llama_path, monkeypatch):
+    with serve_in_thread(tiny_llama_path, max_num_seqs=1) as (port, engine, _):
+        scheduler = engine.engine.scheduler
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(request, "POST", port, "/v1/completions", {**COMPLETION, "max_tokens": 200})
+            assert wait_until(lambda: scheduler.num_running == 1, timeout=10)
+            waiting = pool.submit(request, "POST", port, "/v1/completions", {**COMPLETION, "prompt": "def"})
+            assert wait_until(lambda: scheduler.num_waiting == 1, timeout=10)  # max_num_seqs=1
+            fail_on_call(monkeypatch, engine.engine.runner, "execute", 1, RuntimeError("injected device fault"))
+            status, body = running.result(60)
+            assert status == 500 and "injected device fault" in body["error"]["message"]
+            status, body = waiting.result(60)
+            assert status == 200 and body["usage"]["completion_tokens"] == 12
+
+
 def test_an_exception_in_a_handler_fails_that_request_only(served, monkeypatch):
     port, _, app = served
     fail_on_call(monkeypatch, app.state.weir, "render_chat", 1, KeyError("injected handler bug"))
