@@ -209,8 +209,8 @@ class LLMEngine:
 
         Requests that never ran (every child still waiting for its first step) hold no blocks,
         runner row or state slot, and no failed step touched them: they keep their place. Any
-        that has run might have been in the failed step, so it is aborted; so is a preempted one,
-        whose runner row the failed step may not have released yet.
+        that has run, preempted ones too, is aborted: it may have been in the failed step, and
+        its tokens in flight were dropped with it.
         """
         self._in_flight.clear()
         never_ran = {request.request_id for request in self.scheduler.waiting
@@ -218,6 +218,10 @@ class LLMEngine:
         failed = [request_id for request_id, parent in self._parents.items()
                   if any(child.request.request_id not in never_ran for child in parent.children)]
         self.abort_request(failed)
+        # The failed step's output was the only message carrying its row releases (requests
+        # finished or preempted just before it); rows of requests not running now are stale.
+        running = {request.request_id for request in self.scheduler.running}
+        self.scheduler.release_rows(self.runner.request_ids_with_rows() - running)
         # Blocks were registered in the prefix cache when scheduled; the failed step may never
         # have written their KV.
         self.scheduler.kv_cache.pool.reset_prefix_cache()

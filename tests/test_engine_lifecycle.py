@@ -66,6 +66,62 @@ def test_failed_step_aborts_what_ran_and_spares_what_waited(tiny_llama_path, asy
     assert_nothing_held(llm)
 
 
+def fail_the_step_whose_output(engine, releases):
+    """Make ``runner.execute`` raise, before it applies anything, on the first step whose output
+    satisfies ``releases(output)``."""
+    original = engine.runner.execute
+
+    def execute(out):
+        if releases(out):
+            engine.runner.execute = original
+            raise RuntimeError("injected failure")
+        return original(out)
+
+    engine.runner.execute = execute
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("release", ["finished", "preempted"])
+def test_rows_a_failed_step_was_releasing_are_released(tiny_llama_path, async_scheduling, release):
+    """A step's output is the only message that tells the runner to drop the rows of requests
+    finished or preempted before it: failing that step must not leak them."""
+    kv_bytes = {"finished": None, "preempted": 20 * 4 * 2 * 2 * 16 * 4 * 2}  # 20 blocks of 4 tokens
+    llm = LLM(str(tiny_llama_path), device="cpu", max_model_len=64, block_size=4, max_num_seqs=3,
+              async_scheduling=async_scheduling, kv_cache_memory_bytes=kv_bytes[release])
+    engine = llm.engine
+    for index, max_tokens in enumerate([2, 40, 40]):
+        engine.add_request(f"r{index}", {"prompt_token_ids": list(range(10 * index, 10 * index + 12))},
+                           GREEDY.clone(max_tokens=max_tokens))
+    fail_the_step_whose_output(engine, lambda out: bool(getattr(out, f"{release}_req_ids")))
+    with pytest.raises(RuntimeError, match="injected failure"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    engine.reset_after_failure()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_nothing_held(llm)
+    # Every row is free again: a batch of max_num_seqs requests fits.
+    outputs = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 3, GREEDY.clone(max_tokens=4), use_tqdm=False)
+    assert all(len(output.outputs[0].token_ids) == 4 for output in outputs)
+
+
+def test_prefix_cache_statistics_count_each_admission_once(tiny_llama_path):
+    """A request that cannot get blocks is looked up again every step; it is counted once, when
+    admitted."""
+    llm = LLM(str(tiny_llama_path), device="cpu", max_model_len=64, block_size=4,
+              kv_cache_memory_bytes=18 * 4 * 2 * 2 * 16 * 4 * 2)  # 17 usable blocks of 4 tokens
+    engine, pool = llm.engine, llm.engine.scheduler.kv_cache.pool
+    engine.add_request("big", {"prompt_token_ids": list(range(100, 156))}, GREEDY.clone(max_tokens=8))
+    engine.step()
+    engine.add_request("small", {"prompt_token_ids": list(range(30, 51))}, GREEDY.clone(max_tokens=1))
+    for _ in range(3):  # "small" waits for blocks meanwhile
+        engine.step()
+    assert engine.scheduler.num_waiting == 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert pool.num_queries == 56 + 21
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_id_reused_after_abort_gets_only_its_own_tokens(tiny_llama_path, async_scheduling):
     llm = LLM(str(tiny_llama_path), device="cpu", max_model_len=256, async_scheduling=async_scheduling)

@@ -43,9 +43,14 @@ class KVCacheManager:
             if block_id is None:
                 break
             hit_blocks.append(block_id)
-        self.pool.num_queries += request.num_tokens
-        self.pool.num_hits += len(hit_blocks) * self.block_size
         return hit_blocks, len(hit_blocks) * self.block_size
+
+    def count_admission(self, request: Request, num_hit_tokens: int) -> None:
+        """Prefix-cache statistics, once per admission: a request waiting for blocks is looked
+        up again every step, and counting each lookup inflated queries and hits."""
+        if self.pool.enable_prefix_caching:
+            self.pool.num_queries += request.num_tokens
+            self.pool.num_hits += num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[int] | None = None) -> list[int] | None:

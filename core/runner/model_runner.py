@@ -200,6 +200,10 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------
 
+    def request_ids_with_rows(self) -> set[str]:
+        """Requests holding a row of the request table (released through a step's output)."""
+        return set(self.table.row_of)
+
     def _update_states(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids | out.preempted_req_ids:
             self.table.remove(req_id)

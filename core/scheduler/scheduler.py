@@ -84,6 +84,11 @@ class Scheduler:
         """Finished requests whose runner rows the next ``schedule()`` gives back."""
         return bool(self._finished_req_ids)
 
+    def release_rows(self, request_ids) -> None:
+        """Have the next ``schedule()`` tell the runner to drop these requests' rows: after a
+        failed step, whose output (the only message that carried its releases) never arrived."""
+        self._finished_req_ids.update(request_ids)
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -148,6 +153,7 @@ class Scheduler:
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if self.kv_cache.allocate_slots(request, num_new, hit_blocks) is None:
                 break
+            self.kv_cache.count_admission(request, num_hit_tokens)
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
