@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from weir.plugin_manager import PluginError, PluginRegistry, Registered, import_target, load_plugins
+from weir.plugin_manager import PluginError, PluginRegistry, Registered, load_plugins
 
 # (registry attribute, kind shown to the user)
 _KINDS = (
@@ -50,14 +50,14 @@ def describe_plugins(registry: PluginRegistry) -> list[dict[str, Any]]:
         for name in sorted(table):
             row = _row(kind, name, table[name])
             try:
-                target_cls = import_target(table[name])
+                target_cls = registry.resolve(attribute, name)
             except PluginError as error:  # listed anyway: the table must show what is broken
-                row["reason"] = f"not importable: {error.__cause__!r}"
+                row["reason"] = (f"not importable: {error.__cause__!r}" if error.__cause__ is not None
+                                 else str(error))
                 rows.append(row)
                 continue
             if kind == "platform":
-                row["available"] = bool(target_cls.is_available())
-                row["reason"] = "" if row["available"] else target_cls.unavailable_reason()
+                row["available"], row["reason"] = registry.platform_availability(name)
                 row["active"] = active_platform is not None and active_platform.name == name
             elif kind == "model":
                 row["available"] = True

@@ -54,7 +54,7 @@ def serve(
     model: str | None = typer.Argument(None, metavar="MODEL",
                                        help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct)"),
     host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0: every interface)"),
-    port: int = typer.Option(8000, help="port to listen on (0: any free port)"),
+    port: int = typer.Option(8000, min=0, max=65535, help="port to listen on (0: any free port)"),
     api_key: str | None = typer.Option(None, envvar="WEIR_API_KEY",
                                        help="require 'Authorization: Bearer KEY' on /v1 (env WEIR_API_KEY)"),
     max_num_queued_reqs: int = typer.Option(DEFAULT_MAX_NUM_QUEUED_REQS,

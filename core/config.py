@@ -9,7 +9,6 @@ either afterwards (runtime facts such as the number of KV blocks live in the run
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,8 +137,10 @@ class EngineArgs:
 
     def create_config(self, platform_device_type: str = "cpu") -> EngineConfig:
         from weir.model_files import resolve_model_files
+        from weir.tokenizer import load_chat_template
 
         self._validate()
+        chat_template = None if self.chat_template is None else load_chat_template(self.chat_template)
         files = resolve_model_files(self.model, self.tokenizer)
         hf_config = files.hf_config
         architecture = files.architecture
@@ -152,9 +153,6 @@ class EngineArgs:
         default_tokens = 8192 if platform_device_type == "cpu" else 16384
         max_num_seqs = self.max_num_seqs or (256 if platform_device_type == "cpu" else 1024)
         max_batched = self.max_num_batched_tokens or default_tokens
-        chat_template = self.chat_template
-        if chat_template is not None and os.path.isfile(chat_template):
-            chat_template = Path(chat_template).read_text()
         model_cfg = ModelConfig(
             model=files.display_name, weights_path=files.weights_path,
             tokenizer_path=files.tokenizer_path, architecture=architecture, hf_config=hf_config,
@@ -175,7 +173,24 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
         )
 
+    def _check_types(self) -> None:
+        """Each option has the type its annotation says (a bool is not an int here, and the
+        string "false" is not a bool): a wrong one would fail obscurely deep in start-up, or
+        silently mean the opposite."""
+        kinds = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
+        for option in dataclasses.fields(self):
+            value = getattr(self, option.name)
+            annotation = str(option.type)  # "int | None": postponed annotations are strings
+            kind = annotation.split(" | ")[0]
+            if kind not in kinds or (value is None and annotation.endswith("| None")):
+                continue
+            is_bool = isinstance(value, bool)
+            if not isinstance(value, kinds[kind]) or (is_bool and kind != "bool"):
+                raise ValueError(f"{option.name} must be {'an' if kind == 'int' else 'a'} {kind}"
+                                 f"{' or None' if annotation.endswith('| None') else ''}, got {value!r}")
+
     def _validate(self) -> None:
+        self._check_types()
         positive = ["max_num_seqs", "block_size", "tensor_parallel_size"]
         for name in positive + ["max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"]:
             value = getattr(self, name)

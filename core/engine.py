@@ -109,6 +109,13 @@ class LLMEngine:
         start = time.perf_counter()
         args = EngineArgs.from_options(model, **options)
         registry = load_plugins()
+        # Checked here, not when chosen: a model without MoE layers never asks for its backend,
+        # and a misspelt name would otherwise pass unnoticed.
+        for option, table in (("attention_backend", registry.attention_backends),
+                              ("moe_backend", registry.moe_backends)):
+            name = getattr(args, option)
+            if name is not None and name not in table:
+                raise ValueError(f"{option} {name!r} is not registered; known: {', '.join(sorted(table))}")
         platform = registry.select_platform(args.device)
         wait_for_device = platform.start_device_setup()
         platform_seconds = time.perf_counter() - start

@@ -148,6 +148,25 @@ class PluginRegistry:
     def resolve_platform(self, name: str) -> type[Platform]:
         return self._resolve("platforms", name)
 
+    def resolve(self, attribute: str, key: str) -> type:
+        """The class registered under ``key`` in the ``attribute`` table ("models",
+        "attention_backends", "moe_backends", "platforms"), imported and checked against its
+        interface; PluginError names the plugin when it is not one."""
+        return self._resolve(attribute, key)
+
+    def platform_availability(self, name: str) -> tuple[bool, str]:
+        """``(available, why not)`` of a registered platform. A plugin whose check itself fails
+        (a missing driver package, say) is unavailable, and the reason names it."""
+        platform_cls = self.resolve_platform(name)
+        try:
+            if platform_cls.is_available():
+                return True, ""
+            return False, platform_cls.unavailable_reason()
+        except Exception as error:  # noqa: BLE001 - third-party code: any failure is the plugin's
+            registered = self.platforms[name]
+            return False, (f"plugin {registered.plugin_name!r} (package {registered.distribution}) failed "
+                           f"to say whether it is available: {type(error).__name__}: {error}")
+
     def _resolve(self, attribute: str, key: str) -> type:
         table: dict[str, Registered] = getattr(self, attribute)
         if key not in table:

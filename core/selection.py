@@ -22,20 +22,20 @@ if TYPE_CHECKING:
 def select_platform(registry: "PluginRegistry", device: str | None) -> Platform:
     if device is not None:
         platform_cls = registry.resolve_platform(device)  # unknown name -> ValueError
-        if not platform_cls.is_available():
-            raise RuntimeError(
-                f"device {device!r} was requested but is not available: "
-                f"{platform_cls.unavailable_reason()}"
-            )
+        available, reason = registry.platform_availability(device)
+        if not available:
+            raise RuntimeError(f"device {device!r} was requested but is not available: {reason}")
         return platform_cls()
     # Stable sort: platforms of equal priority keep their registration order.
     by_priority = sorted(registry.platforms, key=lambda name: -registry.platforms[name].spec.priority)
     reasons = []
     for name in by_priority:
-        platform_cls = registry.resolve_platform(name)
-        if platform_cls.is_available():
-            return platform_cls()
-        reasons.append(f"{name}: {platform_cls.unavailable_reason()}")
+        available, reason = registry.platform_availability(name)
+        if available:
+            return registry.resolve_platform(name)()
+        if "failed to say" in reason:
+            logger.warning("platform %s skipped: %s", name, reason)
+        reasons.append(f"{name}: {reason}")
     raise RuntimeError(
         "no platform is available: "
         + ("; ".join(reasons) if reasons else "no platform plugin is registered")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import Executor, Future
+from pathlib import Path
 from typing import Any
 
 
@@ -35,9 +37,37 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], chat_tem
                          "one with --chat-template FILE (a Jinja template), or use plain completions")
     # Render to text, then encode without special tokens: the template writes any BOS itself,
     # and this returns plain ids the same way across transformers versions.
-    text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+    import jinja2
+
+    try:
+        text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except jinja2.TemplateError as error:  # raise_exception(...) in the template, or a syntax error
+        raise ValueError(f"the chat template cannot render these messages: {error}") from error
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def load_chat_template(value: str) -> str:
+    """The ``--chat-template`` override: a file's contents, or the value itself when it is a Jinja
+    template; checked to parse as transformers compiles it, so a broken one fails at start-up."""
+    if os.path.isfile(value):
+        template = Path(value).read_text()
+    elif "{{" in value or "{%" in value:
+        template = value
+    else:
+        raise ValueError(f"chat_template {value!r} is neither a file that exists nor a Jinja template "
+                         "(no '{{' or '{%' in it)")
+    try:  # transformers' own compiler (its extensions included); private, so skipped if it moves
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        return template
+    import jinja2
+
+    try:
+        _compile_jinja_template(template)
+    except jinja2.TemplateSyntaxError as error:
+        raise ValueError(f"chat_template has a Jinja syntax error at line {error.lineno}: {error.message}") from error
+    return template
 
 
 def encode_prompt(tokenizer: Any, text: str) -> list[int]:

@@ -85,6 +85,14 @@ def test_throughput_rejects_bad_lengths(config_only_qwen3, lengths, message):
     result = _invoke("throughput", config_only_qwen3, *TINY_ENGINE, *lengths)
     assert result.exit_code == 1
     assert message in result.output
+    assert result.output.count("error:") == 1, result.output  # said once, not followed by "error: 1"
+
+
+def test_an_output_path_that_cannot_be_written_fails_before_the_run(config_only_qwen3, tmp_path):
+    result = _invoke("throughput", config_only_qwen3, *TINY_ENGINE, "--input-len", "4", "--output-len", "2",
+                     "--output-json", tmp_path)
+    assert result.exit_code == 1 and "is a directory" in result.output
+    assert "Engine start-up" not in result.output
 
 
 def test_throughput_without_dummy_names_the_missing_checkpoint(config_only_qwen3):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -83,6 +84,30 @@ def test_invalid_engine_option_values(tiny_llama_path):
         LLM(str(tiny_llama_path), dtype="int3")
     with pytest.raises(ValueError, match="max_model_len=9999 is longer"):
         LLM(str(tiny_llama_path), max_model_len=9999)
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("enable_prefix_caching", "false", "enable_prefix_caching must be a bool, got 'false'"),  # truthy!
+    ("max_num_seqs", "4", "max_num_seqs must be an int or None"),
+    ("max_model_len", True, "max_model_len must be an int or None, got True"),
+    ("block_size", 2.5, "block_size must be an int, got 2.5"),
+    ("gpu_memory_utilization", "0.5", "gpu_memory_utilization must be a float"),
+    ("moe_backend", "nope", "moe_backend 'nope' is not registered; known: "),  # a dense model: never chosen
+    ("attention_backend", "nope", "attention_backend 'nope' is not registered"),
+    ("chat_template", "{{ bad", "chat_template has a Jinja syntax error at line 1"),
+    ("chat_template", "/no/such/template.jinja", "neither a file that exists nor a Jinja template"),
+])
+def test_engine_options_of_the_wrong_kind_are_named(tiny_llama_path, option, value, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LLM(str(tiny_llama_path), device="cpu", **{option: value})
+
+
+def test_chat_template_from_a_file_or_inline(tiny_llama_path, tmp_path):
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    (tmp_path / "chat.jinja").write_text(template)
+    for value in (str(tmp_path / "chat.jinja"), template):
+        llm = LLM(str(tiny_llama_path), device="cpu", chat_template=value)
+        assert llm.engine.config.model.chat_template == template
 
 
 def test_unavailable_device(tiny_llama_path):

@@ -236,3 +236,40 @@ def test_backend_target_must_implement_the_interface():
     registry.register_module(_plugin(weir_moe_backends=wrong), "confused", distribution="confused-dist")
     with pytest.raises(PluginError, match="'confused'.*confused-dist.*not a subclass of weir.moe.MoEBackend"):
         registry.resolve_moe_backend("wrong")
+
+
+class _PlatformMissingItsDriver(CpuPlatform):
+    """A third-party platform whose availability check imports a package that is not there."""
+
+    name = "npu"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        import weir_test_no_such_driver  # noqa: F401
+
+        return True
+
+
+def test_a_platform_whose_check_raises_is_unavailable_and_named(monkeypatch):
+    from weir.hookspecs import PlatformSpec
+
+    monkeypatch.setitem(sys.modules, "weir_test_npu", types.SimpleNamespace(Npu=_PlatformMissingItsDriver))
+    registry = _cpu_registry()
+    registry.register_module(_plugin(weir_platforms=[PlatformSpec("npu", "weir_test_npu:Npu", priority=100)]),
+                             "npu-plugin", distribution="npu-dist")
+    available, reason = registry.platform_availability("npu")
+    assert not available and "'npu-plugin' (package npu-dist)" in reason and "weir_test_no_such_driver" in reason
+    assert registry.select_platform(None).name == "cpu"  # the broken plugin does not stop the others
+    with pytest.raises(RuntimeError, match="'npu' was requested but is not available: plugin 'npu-plugin'"):
+        registry.select_platform("npu")
+
+
+def test_cli_plugins_lists_a_target_that_is_not_a_backend(monkeypatch):
+    monkeypatch.setitem(sys.modules, "weir_test_funky", types.SimpleNamespace(make=lambda: None))
+    registry = _cpu_registry()
+    registry.register_module(_plugin(weir_attention_backends=[AttentionBackendSpec("funky", "weir_test_funky:make")]),
+                             "funky-plugin", distribution="funky-dist")
+    from weir.cli.plugins_cmd import describe_plugins
+
+    row = {row["name"]: row for row in describe_plugins(registry)}["funky"]
+    assert not row["available"] and "not a subclass of" in row["reason"] and "funky-dist" in row["reason"]

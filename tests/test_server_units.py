@@ -82,3 +82,12 @@ def test_logprob_shapes(tiny_llama_path):
     legacy, end = completion_logprobs([0xC3, 66], entries, text_offset=3)
     assert legacy["tokens"] == ["\ufffd", "B"] and legacy["text_offset"] == [3, 4] and end == 5
     assert legacy["top_logprobs"][1] == {"A": -0.1, "C": -0.9, "B": -2.0}
+
+
+def test_serve_refuses_a_port_outside_the_tcp_range():
+    from typer.testing import CliRunner
+
+    from weir.cli.main import app
+
+    result = CliRunner().invoke(app, ["serve", "--port", "70000"])
+    assert result.exit_code == 2 and "65535" in result.output  # a usage error, before any model loads

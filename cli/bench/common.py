@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, NoReturn
@@ -47,13 +48,33 @@ def warm_up(llm: Any) -> None:
 def check_fits(llm: Any, longest_prompt: int, longest_output: int) -> None:
     max_model_len = llm.engine.config.scheduler.max_model_len
     if longest_prompt + longest_output > max_model_len:
-        fail(f"prompts of up to {longest_prompt} tokens plus {longest_output} output tokens exceed "
-             f"max_model_len={max_model_len}; raise --max-model-len or shorten the lengths")
+        raise ValueError(f"prompts of up to {longest_prompt} tokens plus {longest_output} output tokens exceed "
+                         f"max_model_len={max_model_len}; raise --max-model-len or shorten the lengths")
+
+
+def check_writable(path: Path | None, option: str) -> None:
+    """Refuse an output path that cannot be written before the run, not after it."""
+    if path is None:
+        return
+    if path.is_dir():
+        fail(f"{option} {path} is a directory; give a file path")
+    parent = path.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        fail(f"{option} {path}: cannot create {parent}: {error.strerror or error}")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        fail(f"{option} {path} is not writable")
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    text = json.dumps(payload, indent=2) + "\n"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as error:  # the run is over: keep its results on stdout
+        typer.echo(text)
+        fail(f"cannot write {path}: {error.strerror or error} (the results are printed above)")
     typer.echo(f"wrote {path}")
 
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import typer
 
-from weir.cli.bench.common import (ENGINE_ERRORS, check_fits, fail, human_bytes, percentiles, start_engine,
-                                   token_id_bound, write_json)
+from weir.cli.bench.common import (ENGINE_ERRORS, check_fits, check_writable, fail, human_bytes, percentiles,
+                                   start_engine, token_id_bound, write_json)
 from weir.cli.engine_options import with_engine_options
 
 LATENCY_PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -129,6 +129,7 @@ def latency(
     from weir.sampling_params import SamplingParams
 
     engine_options = engine_options or {}
+    check_writable(output_json, "--output-json")
     try:
         llm, startup_seconds = start_engine(model, engine_options)
         typer.echo(f"Engine start-up: {startup_seconds:.2f} s")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import typer
 
-from weir.cli.bench.common import fail, write_json
+from weir.cli.bench.common import check_writable, fail, write_json
 from weir.cli.bench.serve_client import Workload, build_payloads, first_model_name, http_module, run_requests
 from weir.cli.bench.serve_report import (latency_samples, plot_latencies, print_summary,
                                          require_matplotlib, summarize)
@@ -56,6 +56,7 @@ def serve(
                                                        "plot of the latency distributions beside it"),
 ) -> None:
     """Benchmark a running OpenAI-compatible server with streaming requests."""
+    check_writable(save_result, "--save-result")
     try:
         rate = parse_request_rate(request_rate)
         if endpoint not in _ENDPOINTS:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import typer
 
-from weir.cli.bench.common import (ENGINE_ERRORS, check_fits, fail, start_engine, token_id_bound,
-                                   warm_up, write_json)
+from weir.cli.bench.common import (ENGINE_ERRORS, check_fits, check_writable, fail, start_engine,
+                                   token_id_bound, warm_up, write_json)
 from weir.cli.engine_options import with_engine_options
 
 
@@ -76,6 +76,7 @@ def throughput(
     from weir.sampling_params import SamplingParams
 
     engine_options = engine_options or {}
+    check_writable(output_json, "--output-json")
     try:
         input_range, output_range = _lengths(input_len, output_len, random_range)
         llm, startup_seconds = start_engine(model, engine_options)
