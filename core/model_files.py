@@ -42,7 +42,8 @@ def resolve_model_files(model: str | None, tokenizer: str | None) -> ModelFiles:
         weights_path = path
     tokenizer_path = _tokenizer_path(tokenizer, default=weights_path)
     eos_ids = _merge_eos_ids(
-        _generation_config_eos(weights_path), _as_id_list(getattr(hf_config, "eos_token_id", None)),
+        _generation_config_eos(weights_path),
+        _as_id_list(getattr(hf_config, "eos_token_id", None), f"eos_token_id in the config of {weights_path}"),
         _tokenizer_eos(tokenizer_path, weights_path),
     )
     return ModelFiles(
@@ -99,22 +100,25 @@ def _load_gguf_config(gguf_file: Path) -> Any:
 
     try:
         return AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, local_files_only=True)
-    except (ValueError, OSError, KeyError) as error:
-        raise ValueError(f"cannot read the model config from {gguf_file}: {error}") from error
+    except Exception as error:  # a broken file fails anywhere in the reader (struct.error, ...)
+        raise ValueError(f"cannot read the model config from {gguf_file}: {type(error).__name__}: {error}") \
+            from error
 
 
 def _load_folder_config(folder: Path) -> Any:
     from transformers import AutoConfig
 
     config_file = folder / "config.json"
-    _read_json(config_file)  # a clear error naming the file beats transformers' generic one
+    read_json_object(config_file)  # a clear error naming the file beats transformers' generic one
     try:
         return AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (ValueError, OSError, KeyError) as error:
-        raise ValueError(f"cannot read the model config {config_file}: {error}") from error
+    except Exception as error:  # field type checks, a zero head count, a bogus torch_dtype, ...
+        raise ValueError(f"cannot read the model config {config_file}: {type(error).__name__}: {error}") \
+            from error
 
 
-def _read_json(file: Path) -> dict:
+def read_json_object(file: Path) -> dict:
+    """A JSON file's top-level object; errors name the file."""
     try:
         content = json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -127,6 +131,9 @@ def _read_json(file: Path) -> dict:
 def _architecture(hf_config: Any, weights_path: Path) -> str:
     architectures = getattr(hf_config, "architectures", None)
     if architectures:
+        if not isinstance(architectures, (list, tuple)) or not isinstance(architectures[0], str):
+            raise ValueError(f"the config of {weights_path} has architectures={architectures!r}; it must be "
+                             f'a list of class names, e.g. ["LlamaForCausalLM"]')
         return architectures[0]
     # GGUF-derived configs carry no `architectures`; the model type names the causal-LM class.
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -150,12 +157,19 @@ def _tokenizer_path(tokenizer: str | None, default: Path) -> Path:
     return path
 
 
-def _as_id_list(value: Any) -> list[int]:
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _as_id_list(value: Any, where: str) -> list[int]:
+    """A token id or a list of them; ``where`` names the file and field for the error."""
     if value is None:
         return []
-    if isinstance(value, int):
+    if _is_token_id(value):
         return [value]
-    return [int(token_id) for token_id in value]
+    if isinstance(value, list) and all(_is_token_id(token_id) for token_id in value):
+        return list(value)
+    raise ValueError(f"{where} must be a token id or a list of token ids, got {value!r}")
 
 
 def _merge_eos_ids(*id_lists: list[int]) -> tuple[int, ...]:
@@ -166,7 +180,7 @@ def _generation_config_eos(weights_path: Path) -> list[int]:
     file = weights_path / "generation_config.json"
     if not weights_path.is_dir() or not file.is_file():
         return []
-    return _as_id_list(_read_json(file).get("eos_token_id"))
+    return _as_id_list(read_json_object(file).get("eos_token_id"), f"eos_token_id in {file}")
 
 
 def _tokenizer_eos(tokenizer_path: Path, weights_path: Path) -> list[int]:
@@ -175,33 +189,50 @@ def _tokenizer_eos(tokenizer_path: Path, weights_path: Path) -> list[int]:
         return _folder_tokenizer_eos(tokenizer_path)
     if tokenizer_path == weights_path:
         return []  # a GGUF's tokenizer eos is the config eos already read from the same metadata
-    return _as_id_list(getattr(_load_gguf_config(tokenizer_path), "eos_token_id", None))
+    return _as_id_list(getattr(_load_gguf_config(tokenizer_path), "eos_token_id", None),
+                       f"eos_token_id in {tokenizer_path}")
 
 
 def _folder_tokenizer_eos(folder: Path) -> list[int]:
     config_file = folder / "tokenizer_config.json"
     if not config_file.is_file():
         return []
-    tokenizer_config = _read_json(config_file)
+    tokenizer_config = read_json_object(config_file)
     eos_token = tokenizer_config.get("eos_token")
     if isinstance(eos_token, dict):
         eos_token = eos_token.get("content")
     if not isinstance(eos_token, str):
         return []
-    for token_id, token in tokenizer_config.get("added_tokens_decoder", {}).items():
+    decoder = tokenizer_config.get("added_tokens_decoder", {})
+    if not isinstance(decoder, dict) or not all(isinstance(token, dict) for token in decoder.values()):
+        raise ValueError(f"added_tokens_decoder in {config_file} must map token ids to token objects")
+    for token_id, token in decoder.items():
         if token.get("content") == eos_token:
-            return [int(token_id)]
+            return [_parse_token_id(token_id, f"added_tokens_decoder key for {eos_token!r} in {config_file}")]
     tokenizer_file = folder / "tokenizer.json"
     if not tokenizer_file.is_file():
         return []
-    tokenizer_json = _read_json(tokenizer_file)
-    for token in tokenizer_json.get("added_tokens", []):
+    tokenizer_json = read_json_object(tokenizer_file)
+    added = tokenizer_json.get("added_tokens", [])
+    if not isinstance(added, list) or not all(isinstance(token, dict) for token in added):
+        raise ValueError(f"added_tokens in {tokenizer_file} must be a list of token objects")
+    for token in added:
         if token.get("content") == eos_token:
-            return [int(token["id"])]
-    vocab = tokenizer_json.get("model", {}).get("vocab", {})
+            return [_parse_token_id(token.get("id"), f"the id of {eos_token!r} in {tokenizer_file}")]
+    model = tokenizer_json.get("model", {})
+    vocab = model.get("vocab", {}) if isinstance(model, dict) else {}
     if isinstance(vocab, dict) and eos_token in vocab:
-        return [int(vocab[eos_token])]
+        return [_parse_token_id(vocab[eos_token], f"the id of {eos_token!r} in {tokenizer_file}")]
     return []
+
+
+def _parse_token_id(value: Any, where: str) -> int:
+    """A token id written as an int or a decimal string (JSON object keys are strings)."""
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    if _is_token_id(value):
+        return value
+    raise ValueError(f"{where} must be a token id, got {value!r}")
 
 
 def _side_chat_template(weights_path: Path, tokenizer_path: Path) -> str | None:
@@ -216,6 +247,6 @@ def _side_chat_template(weights_path: Path, tokenizer_path: Path) -> str | None:
         return template_file.read_text(encoding="utf-8")
     json_file = weights_path / "chat_template.json"
     if json_file.is_file():
-        template = _read_json(json_file).get("chat_template")
+        template = read_json_object(json_file).get("chat_template")
         return template if isinstance(template, str) else None
     return None

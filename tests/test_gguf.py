@@ -56,12 +56,15 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_GGUF_NAMES[module]}.weight"
 
 
-def write_tiny_llama_gguf(path: Path, *, tied: bool, quantize: bool = False,
-                          seed: int = 0) -> dict[str, torch.Tensor]:
+def write_tiny_llama_gguf(path: Path, *, tied: bool, quantize: bool = False, seed: int = 0,
+                          replace: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
     """Write a random 2-layer llama as a GGUF (with tokenizer and chat template metadata).
 
     Returns the HF state dict it was written from. ``quantize`` stores the 2-D weights as Q8_0.
+    ``replace`` ({GGUF name: array}) writes these arrays instead of the model's, and adds the
+    names the model does not have (to break a file on purpose).
     """
+    replace = dict(replace or {})
     import gguf
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -103,11 +106,15 @@ def write_tiny_llama_gguf(path: Path, *, tied: bool, quantize: bool = False,
             weights = _llama_cpp_permute(weights, 4)
         elif ".k_proj." in hf_name:
             weights = _llama_cpp_permute(weights, 2)
-        if quantize and weights.ndim == 2:
+        if _gguf_name(hf_name) in replace:
+            writer.add_tensor(_gguf_name(hf_name), replace.pop(_gguf_name(hf_name)))
+        elif quantize and weights.ndim == 2:
             qtype = gguf.GGMLQuantizationType.Q8_0
             writer.add_tensor(_gguf_name(hf_name), gguf.quants.quantize(weights, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(_gguf_name(hf_name), np.ascontiguousarray(weights))
+    for gguf_name, weights in replace.items():
+        writer.add_tensor(gguf_name, weights)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -204,3 +211,21 @@ def test_name_map_equals_transformers_full_walk(config_class, gguf_arch):
     expected = get_gguf_hf_weights_map(meta_model, processor)
     assert "blk.2.attn_q.weight" in expected
     assert _gguf_to_hf_names(hf_config, processor) == expected
+
+
+@pytest.mark.parametrize("replace, message", [
+    ({"blk.0.bogus.weight": np.ones(64, dtype=np.float32)}, "has no place for: blk.0.bogus.weight"),
+    ({"output_norm.weight": np.ones(64, dtype=np.int32)}, "cannot dequantise tensor output_norm.weight of type I32"),
+])
+def test_a_gguf_tensor_the_model_cannot_take_is_named(tmp_path, replace, message):
+    path = tmp_path / "broken.gguf"
+    write_tiny_llama_gguf(path, tied=True, replace=replace)
+    with pytest.raises(ValueError, match=message) as error:
+        list(iter_gguf(model_config_for(path)))
+    assert str(path) in str(error.value)
+
+
+def test_rope_freqs_is_dropped_as_transformers_drops_it(tmp_path):
+    path = tmp_path / "rope_freqs.gguf"
+    state = write_tiny_llama_gguf(path, tied=True, replace={"rope_freqs.weight": np.ones(8, dtype=np.float32)})
+    assert sorted(name for name, _ in iter_gguf(model_config_for(path))) == sorted(state)

@@ -83,6 +83,24 @@ def test_broken_config_json_names_the_file(tmp_path):
         resolve_model_files(str(tmp_path), None)
 
 
+@pytest.mark.parametrize("file, changes, message", [
+    ("config.json", {"num_hidden_layers": "two"}, r"cannot read the model config .*config\.json"),
+    ("config.json", {"num_attention_heads": 0}, r"cannot read the model config .*ZeroDivisionError"),
+    ("config.json", {"dtype": "float99", "torch_dtype": "float99"}, r"cannot read the model config .*float99"),
+    ("config.json", {"architectures": "LlamaForCausalLM"}, r"architectures='LlamaForCausalLM'.*must be a list"),
+    ("config.json", {"eos_token_id": "</s>"}, r"cannot read the model config .*eos_token_id"),
+    ("generation_config.json", {"eos_token_id": [[1]]}, r"eos_token_id in .*generation_config\.json must be"),
+    ("tokenizer_config.json", {"added_tokens_decoder": ["<pad>"]}, r"added_tokens_decoder in .* must map"),
+])
+def test_config_fields_of_the_wrong_kind_name_file_and_field(llama_folder, tmp_path, file, changes, message):
+    folder = _copy_checkpoint(llama_folder, tmp_path / "ckpt")
+    if not (folder / file).exists():
+        (folder / file).write_text("{}")
+    _edit_json(folder / file, **changes)
+    with pytest.raises(ValueError, match=message):
+        resolve_model_files(str(folder), None)
+
+
 @pytest.mark.parametrize("name", ["/no/such/checkpoint", "HuggingFaceTB/SmolLM2-360M-Instruct"])
 def test_missing_path_says_weir_loads_only_local_files(name):
     with pytest.raises(FileNotFoundError, match=f"{name!r} does not exist.*only local") as error:

@@ -162,6 +162,59 @@ def test_ignored_and_tied_copies_are_skipped(tmp_path):
     _assert_parity(Qwen3ForCausalLM, path)
 
 
+def test_a_rope_theta_that_is_not_a_number_is_named(tmp_path):
+    path = make_tiny_llama(tmp_path / "llama")
+    config = json.loads((path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": "x"}
+    config.pop("rope_theta", None)
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="rope_theta in the config must be a positive number, got 'x'"):
+        _load(LlamaForCausalLM, path)
+
+
+def test_a_tied_copy_that_differs_is_an_error(tmp_path):
+    """transformers would use such a checkpoint's own lm_head; tying it silently changes outputs."""
+    path = make_tiny_qwen3(tmp_path / "qwen3")
+    embedding = load_file(path / "model.safetensors")["model.embed_tokens.weight"]
+    _rewrite_checkpoint(path, lambda tensors: tensors.update({"lm_head.weight": embedding + 1}))
+    with pytest.raises(ValueError, match=r"lm_head\.weight differs from model\.embed_tokens\.weight.*tie_word"):
+        _load(Qwen3ForCausalLM, path)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.float8_e4m3fn])
+def test_a_tensor_that_is_not_a_16_or_32_bit_float_is_an_error(tmp_path, dtype):
+    path = make_tiny_llama(tmp_path / "llama")
+    _rewrite_checkpoint(path, lambda tensors: tensors.update({"model.norm.weight": torch.ones(64).to(dtype)}))
+    with pytest.raises(ValueError, match=rf"model\.norm\.weight is {str(dtype).removeprefix('torch.')}"):
+        _load(LlamaForCausalLM, path)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda file: file.write_bytes(file.read_bytes()[:-100]), "not a readable safetensors file"),
+    (lambda file: file.write_bytes(b""), "not a readable safetensors file"),
+    (lambda file: file.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}......"), "not a readable"),
+])
+def test_a_truncated_or_corrupt_safetensors_file_is_named(tmp_path, damage, message):
+    path = make_tiny_llama(tmp_path / "llama")
+    damage(path / "model.safetensors")
+    with pytest.raises(ValueError, match=message) as error:
+        _load(LlamaForCausalLM, path)
+    assert str(path / "model.safetensors") in str(error.value)
+
+
+@pytest.mark.parametrize("index, message", [
+    ([1, 2], "must hold a JSON object"),
+    ({"weight_map": {"model.norm.weight": 3}}, "weight_map values must be shard file names"),
+    ({"weight_map": {"model.norm.weight": "../elsewhere.safetensors"}}, "weight_map values must be shard file"),
+])
+def test_a_malformed_shard_index_is_named(tmp_path, index, message):
+    path = make_tiny_llama(tmp_path / "llama")
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=message) as error:
+        _load(LlamaForCausalLM, path)
+    assert "model.safetensors.index.json" in str(error.value)
+
+
 def test_sharded_checkpoint_loads_and_missing_shard_is_named(tmp_path):
     path = make_tiny_llama(tmp_path / "llama")
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

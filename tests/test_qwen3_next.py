@@ -187,6 +187,17 @@ def test_fused_expert_tensor_of_the_wrong_shape_is_named(checkpoint, tmp_path):
         LLM(str(broken), device="cpu", dtype="float32")
 
 
+def test_decoder_sparse_step_of_zero_is_named(checkpoint, tmp_path):
+    import json
+    import shutil
+
+    broken = shutil.copytree(checkpoint, tmp_path / "sparse_step")
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "decoder_sparse_step": 0}))
+    with pytest.raises(ValueError, match="decoder_sparse_step in the config must be an integer >= 1"):
+        LLM(str(broken), device="cpu", dtype="float32")
+
+
 def test_dense_models_need_no_moe_backend(tiny_llama_path, monkeypatch):
     monkeypatch.setenv("WEIR_PLUGINS", "builtin_platforms,builtin_models,builtin_attention")
     llm = LLM(str(tiny_llama_path), device="cpu", dtype="float32", max_model_len=64)

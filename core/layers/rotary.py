@@ -58,6 +58,9 @@ def compute_inv_freq(
     """``(inv_freq [rotary_dim // 2] fp32 on the CPU, attention_scaling)`` for this config."""
     params = rope_parameters_of(hf_config)
     rope_type = params["rope_type"]
+    theta = params.get("rope_theta")
+    if rope_type == "default" and (isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0):
+        raise ValueError(f"rope_theta in the config must be a positive number, got {theta!r}")
     if rope_type in _UNSUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_type={rope_type!r} is not supported by Weir's rotary embedding")
     with torch.device("cpu"):  # models are built under the meta device; these few floats are real

@@ -18,6 +18,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+# GGUF tensors with no HF parameter that transformers drops too: llama.cpp's precomputed rotary
+# frequencies, which HF recomputes from the config. Any other unmatched tensor is an error, as an
+# unexpected tensor in a safetensors checkpoint is.
+DROPPED_GGUF_TENSORS = frozenset({"rope_freqs.weight"})
+
 
 def iter_gguf(model_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every weight in ``model_config.weights_path`` (a .gguf file).
@@ -36,22 +41,30 @@ def iter_gguf(model_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     # Processors that merge several GGUF tensors into one HF tensor (MoE experts) stash the
     # merged result here instead of returning it.
     merged: dict[str, dict[str, torch.Tensor]] = {"tensors": {}}
-    skipped = []
+    path = model_config.weights_path
+    unexpected = []
     for gguf_tensor in reader.tensors:
-        weights = dequantize(gguf_tensor.data, gguf_tensor.tensor_type)
+        try:
+            weights = dequantize(gguf_tensor.data, gguf_tensor.tensor_type)
+        except Exception as error:  # NotImplementedError for quantisations gguf cannot unpack, ...
+            raise ValueError(f"{path}: cannot dequantise tensor {gguf_tensor.name} of type "
+                             f"{gguf_tensor.tensor_type.name}: {error}") from error
         result = processor.process(weights=weights, name=gguf_tensor.name,
                                    tensor_key_mapping=name_map, parsed_parameters=merged)
         if result.name is None:
             continue
         if result.name not in name_map:
-            skipped.append(result.name)
+            if result.name in DROPPED_GGUF_TENSORS:
+                logger.info("GGUF tensor %s has no HF counterpart (HF recomputes it): not loaded", result.name)
+            else:
+                unexpected.append(result.name)
             continue
         yield name_map[result.name], _to_torch(result.weights, model_config.dtype)
+    if unexpected:
+        shown = ", ".join(unexpected[:8]) + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else "")
+        raise ValueError(f"{path} holds tensors the {model_config.architecture} model has no place for: {shown}")
     for hf_name, tensor in merged["tensors"].items():
         yield hf_name, tensor.to(model_config.dtype)
-    if skipped:
-        # transformers drops these too (e.g. rope_freqs, which HF recomputes from the config)
-        logger.info("GGUF tensors with no HF counterpart, not loaded: %s", ", ".join(skipped))
 
 
 def _to_torch(weights: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

@@ -79,7 +79,8 @@ class _CheckpointMapper:
             self.targets[name] = _ParamTarget(param, _shard_ids_of(owner, attr) or (None,))
 
     def map(self, checkpoint_name: str) -> tuple[str, str | None] | None:
-        """(param name, shard id) for a checkpoint name; None when it is to be skipped."""
+        """(param name, shard id) for a checkpoint name; None when it is to be skipped (a tied
+        alias is checked against its canonical tensor after loading instead)."""
         if checkpoint_name in self.aliases or any(p.search(checkpoint_name) for p in self.ignored):
             return None
         for pattern, param_template, shard_template in self.patterns:
@@ -123,6 +124,11 @@ def _write(model: nn.Module, target: _ParamTarget, param_name: str, shard_id: st
     if tuple(destination.shape) != tuple(tensor.shape):
         raise ValueError(f"checkpoint tensor {checkpoint_name} has shape {tuple(tensor.shape)}, "
                          f"but the model expects {tuple(destination.shape)} for it ({param_name})")
+    # copy_ would convert integers, booleans or 8-bit floats (quantised weights, which need their
+    # scales) without a word, into numbers that mean nothing.
+    if destination.is_floating_point() and (not tensor.is_floating_point() or tensor.dtype.itemsize == 1):
+        raise ValueError(f"checkpoint tensor {checkpoint_name} is {str(tensor.dtype).removeprefix('torch.')}; "
+                         f"{param_name} takes 16- or 32-bit floats (quantised checkpoints are not supported)")
     destination.copy_(tensor)
     target.written.update(target.shard_ids if whole_write else (shard_id,))
 
@@ -169,9 +175,12 @@ def load_model(
 def _write_checkpoint(model: nn.Module, model_cls: type, mapper: _CheckpointMapper,
                       weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     unexpected: list[str] = []
+    tied_copies: dict[str, torch.Tensor] = {}  # alias name -> the checkpoint's own tensor for it
     for checkpoint_name, tensor in weights:
         mapped = mapper.map(checkpoint_name)
         if mapped is None:
+            if checkpoint_name in mapper.aliases:
+                tied_copies[checkpoint_name] = tensor
             continue
         param_name, shard_id = mapped
         target = mapper.targets.get(param_name)
@@ -188,3 +197,18 @@ def _write_checkpoint(model: nn.Module, model_cls: type, mapper: _CheckpointMapp
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) {model_cls.__name__} needs: "
                          f"{', '.join(sorted(missing))}")
+    _check_tied_copies(model, mapper.aliases, tied_copies)
+
+
+def _check_tied_copies(model: nn.Module, aliases: dict[str, str], copies: dict[str, torch.Tensor]) -> None:
+    """A tied parameter's own tensor in the checkpoint must equal the one it is tied to: the
+    config ties them (``tie_word_embeddings``), and a different tensor means the config is wrong
+    (transformers would then use the checkpoint's own, and Weir would give other outputs)."""
+    parameters = dict(model.named_parameters())
+    for alias, tensor in copies.items():
+        canonical = parameters[aliases[alias]]
+        if tuple(tensor.shape) != tuple(canonical.shape) or not torch.equal(
+                tensor.to(device=canonical.device, dtype=canonical.dtype), canonical.data):
+            raise ValueError(f"checkpoint tensor {alias} differs from {aliases[alias]}, but the config ties "
+                             f"them (tie_word_embeddings); set tie_word_embeddings to false in config.json "
+                             f"if the checkpoint's {alias} is meant to be used")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from weir.model_files import read_json_object
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -17,10 +18,17 @@ def safetensors_files(folder: Path) -> list[Path]:
     folder = Path(folder)
     index_path = folder / INDEX_FILE
     if index_path.is_file():
-        weight_map = json.loads(index_path.read_text()).get("weight_map")
+        weight_map = read_json_object(index_path).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index_path} has no 'weight_map' listing the shard files")
-        shards = [folder / name for name in sorted(set(weight_map.values()))]
+        names = set(weight_map.values())
+        # A shard is a file name in this folder: not another type, not a path leading out of it.
+        bad = sorted(map(repr, (name for name in names if not isinstance(name, str) or Path(name).name != name
+                                or name in ("", ".", ".."))))
+        if bad:
+            raise ValueError(f"{index_path}: weight_map values must be shard file names in {folder}, "
+                             f"got {', '.join(bad[:3])}")
+        shards = [folder / name for name in sorted(names)]
         missing = [shard.name for shard in shards if not shard.is_file()]
         if missing:
             raise FileNotFoundError(f"{index_path} lists shard(s) missing from {folder}: "
@@ -47,6 +55,18 @@ def _iter_files(paths: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     for path in paths:
-        with safe_open(str(path), framework="pt", device="cpu") as reader:
-            for name in reader.keys():
-                yield name, reader.get_tensor(name)
+        # safetensors raises its own SafetensorError (no path in it) for a truncated or corrupt file.
+        try:
+            reader = safe_open(str(path), framework="pt", device="cpu")
+            names = list(reader.keys())
+        except Exception as error:
+            raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupt?): {error}") \
+                from error
+        with reader:
+            for name in names:
+                try:
+                    tensor = reader.get_tensor(name)
+                except Exception as error:
+                    raise ValueError(f"{path}: cannot read tensor {name} (truncated or corrupt file?): "
+                                     f"{error}") from error
+                yield name, tensor

@@ -177,8 +177,12 @@ class Qwen3NextDecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(hf_config, layer_idx)
         else:
             self.self_attn = GatedAttention(hf_config, layer_idx, rotary_emb)
+        sparse_step = hf_config.decoder_sparse_step
+        if not isinstance(sparse_step, int) or sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step in the config must be an integer >= 1 (every how "
+                             f"many layers one has experts), got {sparse_step!r}")
         is_sparse = (layer_idx not in (hf_config.mlp_only_layers or []) and hf_config.num_experts > 0
-                     and (layer_idx + 1) % hf_config.decoder_sparse_step == 0)
+                     and (layer_idx + 1) % sparse_step == 0)
         self.mlp = (SparseMoeBlock(hf_config) if is_sparse
                     else DenseMLP(hidden, hf_config.intermediate_size, hf_config.hidden_act))
         self.input_layernorm = ZeroCenteredRMSNorm(hidden, hf_config.rms_norm_eps)
