@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,8 @@ from weir.platform import Platform
 
 BUILTIN_DISTRIBUTION = "weir-engine"
 PLUGINS_ENV_VAR = "WEIR_PLUGINS"
+
+logger = logging.getLogger(__name__)
 
 
 class PluginError(RuntimeError):
@@ -164,8 +167,10 @@ class PluginRegistry:
             return False, platform_cls.unavailable_reason()
         except Exception as error:  # noqa: BLE001 - third-party code: any failure is the plugin's
             registered = self.platforms[name]
-            return False, (f"plugin {registered.plugin_name!r} (package {registered.distribution}) failed "
-                           f"to say whether it is available: {type(error).__name__}: {error}")
+            reason = (f"plugin {registered.plugin_name!r} (package {registered.distribution}) failed to say "
+                      f"whether it is available: {type(error).__name__}: {error}")
+            logger.warning("platform %s is unavailable: %s", name, reason)
+            return False, reason
 
     def _resolve(self, attribute: str, key: str) -> type:
         table: dict[str, Registered] = getattr(self, attribute)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 GREEDY_BELOW_TEMPERATURE = 1e-5  # a positive temperature under this samples greedily
 
+
 def _is_int(value: object) -> bool:
     # bool is an int subclass, but `n=True` is a caller bug, not a count.
     return isinstance(value, int) and not isinstance(value, bool)
@@ -39,8 +40,8 @@ def _check_bool(name: str, value: object) -> bool:
 class SamplingParams:
     """How to sample the completion of one request.
 
-    ``temperature=0`` (or below 1e-5, or ``top_k=1``) is greedy decoding. ``top_k`` 0 or -1 means no top-k
-    (-1 is normalised to 0). ``max_tokens=None`` means up to the context length. ``stop`` is
+    ``temperature=0`` (or under 1e-5, or ``top_k=1``) is greedy decoding. ``top_k`` 0 or -1 means
+    no top-k (-1 is normalised to 0). ``max_tokens=None`` means up to the context length. ``stop`` is
     normalised to a list. ``logprobs=k`` returns the sampled token's logprob plus the top k.
     """
 

@@ -33,8 +33,6 @@ def select_platform(registry: "PluginRegistry", device: str | None) -> Platform:
         available, reason = registry.platform_availability(name)
         if available:
             return registry.resolve_platform(name)()
-        if "failed to say" in reason:
-            logger.warning("platform %s skipped: %s", name, reason)
         reasons.append(f"{name}: {reason}")
     raise RuntimeError(
         "no platform is available: "
