@@ -106,7 +106,17 @@ def main() -> None:
     options = {"load_format": "dummy", "max_model_len": 4096}
     for item in args.options:
         key, value = item.split("=", 1)
-        options[key] = int(value) if value.isdigit() else value
+        # Engine options are type-checked: "true" is a bool and "0.8" a float, not strings.
+        literals = {"true": True, "false": False}
+        if value.lower() in literals:
+            options[key] = literals[value.lower()]
+        elif value.isdigit():
+            options[key] = int(value)
+        else:
+            try:
+                options[key] = float(value)
+            except ValueError:
+                options[key] = value
     profiler = cProfile.Profile() if args.cprofile else None
     start = time.perf_counter()
     sampler = ThreadSampler(args.sample / 1000) if args.sample else None
