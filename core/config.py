@@ -9,6 +9,9 @@ either afterwards (runtime facts such as the number of KV blocks live in the run
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import operator
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -174,20 +177,20 @@ class EngineArgs:
         )
 
     def _check_types(self) -> None:
-        """Each option has the type its annotation says (a bool is not an int here, and the
-        string "false" is not a bool): a wrong one would fail obscurely deep in start-up, or
-        silently mean the opposite."""
-        kinds = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
+        """Each option has the type its annotation says, normalised in place: numpy numbers and
+        ``os.PathLike`` paths are welcome, but a bool is not an int here, and the string "false"
+        is not a bool (it would silently mean the opposite)."""
         for option in dataclasses.fields(self):
             value = getattr(self, option.name)
             annotation = str(option.type)  # "int | None": postponed annotations are strings
-            kind = annotation.split(" | ")[0]
-            if kind not in kinds or (value is None and annotation.endswith("| None")):
+            kind, optional = annotation.split(" | ")[0], annotation.endswith("| None")
+            if kind not in ("bool", "int", "float", "str") or (value is None and optional):
                 continue
-            is_bool = isinstance(value, bool)
-            if not isinstance(value, kinds[kind]) or (is_bool and kind != "bool"):
+            normalised = _as_kind(kind, value, paths_allowed=option.name in _PATH_OPTIONS)
+            if normalised is None:
                 raise ValueError(f"{option.name} must be {'an' if kind == 'int' else 'a'} {kind}"
-                                 f"{' or None' if annotation.endswith('| None') else ''}, got {value!r}")
+                                 f"{' or None' if optional else ''}, got {value!r}")
+            setattr(self, option.name, normalised)
 
     def _validate(self) -> None:
         self._check_types()
@@ -208,6 +211,24 @@ class EngineArgs:
             raise ValueError(f"load_format must be one of {', '.join(_LOAD_FORMATS)}, got {self.load_format!r}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+
+
+_PATH_OPTIONS = frozenset({"model", "tokenizer", "chat_template"})
+
+
+def _as_kind(kind: str, value: Any, paths_allowed: bool) -> Any:
+    """``value`` as a plain bool / int / float / str, or None when it is not one."""
+    if kind == "bool":
+        return value if isinstance(value, bool) else None
+    if isinstance(value, bool):  # an int subclass, but never a count or a size
+        return None
+    if kind == "int":
+        return operator.index(value) if isinstance(value, numbers.Integral) else None
+    if kind == "float":
+        return float(value) if isinstance(value, numbers.Real) else None
+    if isinstance(value, str):
+        return value
+    return os.fspath(value) if paths_allowed and isinstance(value, os.PathLike) else None
 
 
 def _resolve_dtype(name: str, hf_config: Any, device_type: str) -> torch.dtype:

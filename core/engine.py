@@ -254,16 +254,15 @@ class LLMEngine:
                 parent = self._apply_update(update)
                 if parent is not None:
                     changed[parent.request_id] = parent
-        outputs = []
+        outputs = [parent.output() for parent in changed.values()
+                   if parent.finished or not parent.final_only]
+        # Finished requests are forgotten only once every output is built: had building one
+        # raised, reset_after_failure still finds them all, so their callers hear of it.
         for parent in changed.values():
-            if parent.final_only and not parent.finished:
-                continue
-            output = parent.output()
-            if output.finished:
-                self._parents.pop(parent.request_id, None)
+            if parent.finished and self._parents.get(parent.request_id) is parent:
+                del self._parents[parent.request_id]
                 for child in parent.children:
                     self._child_of.pop(child.request.request_id, None)
-            outputs.append(output)
         return outputs
 
     def _apply_update(self, update: RequestUpdate) -> _Parent | None:

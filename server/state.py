@@ -68,7 +68,7 @@ class ServerState:
             if add_special_tokens:
                 return await self._off_loop(encode_prompt, self.tokenizer, text)
             return await self._off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=False))
-        except Exception as error:  # text the tokenizer refuses, e.g. a lone UTF-16 surrogate
+        except (TypeError, ValueError) as error:  # text the tokenizer refuses, e.g. a lone UTF-16 surrogate
             raise bad_request(f"the prompt cannot be tokenized: {error}", param=param) from error
 
     def decode(self, token_ids: list[int]) -> str:

@@ -102,6 +102,15 @@ def test_engine_options_of_the_wrong_kind_are_named(tiny_llama_path, option, val
         LLM(str(tiny_llama_path), device="cpu", **{option: value})
 
 
+def test_engine_options_take_paths_and_numpy_numbers(tiny_llama_path):
+    import numpy as np
+
+    llm = LLM(tiny_llama_path, device="cpu", max_model_len=np.int64(128), gpu_memory_utilization=np.float32(0.5))
+    scheduler = llm.engine.config.scheduler
+    assert scheduler.max_model_len == 128 and type(scheduler.max_model_len) is int
+    assert llm.engine.config.model.model == str(tiny_llama_path)
+
+
 def test_chat_template_from_a_file_or_inline(tiny_llama_path, tmp_path):
     template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
     (tmp_path / "chat.jinja").write_text(template)

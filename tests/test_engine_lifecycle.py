@@ -66,6 +66,35 @@ def test_failed_step_aborts_what_ran_and_spares_what_waited(tiny_llama_path, asy
     assert_nothing_held(llm)
 
 
+def test_a_failure_while_building_outputs_loses_no_finished_request(tiny_llama_path, monkeypatch):
+    """Requests that finished in the failed step were forgotten before their outputs were all
+    built; the reset must still report them, or their callers wait forever."""
+    from weir.engine import _Parent
+
+    llm = LLM(str(tiny_llama_path), device="cpu", max_model_len=256, block_size=4)
+    engine = llm.engine
+    for name in ("a", "b"):
+        engine.add_request(name, {"prompt_token_ids": list(range(40, 60))}, GREEDY.clone(max_tokens=3))
+    original, finished_outputs = _Parent.output, []
+
+    def output(parent):
+        built = original(parent)
+        if built.finished:
+            finished_outputs.append(built.request_id)
+            if len(finished_outputs) == 2:
+                raise RuntimeError("injected failure")
+        return built
+
+    monkeypatch.setattr(_Parent, "output", output)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert sorted(engine.reset_after_failure()) == ["a", "b"]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_nothing_held(llm)
+
+
 def fail_the_step_whose_output(engine, releases):
     """Make ``runner.execute`` raise, before it applies anything, on the first step whose output
     satisfies ``releases(output)``."""
