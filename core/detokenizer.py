@@ -41,14 +41,21 @@ def decode_token(tokenizer: object, token_id: int) -> str:
 
 
 def _prompt_context(backend: Tokenizer, prompt_token_ids: Sequence[int]) -> list[int]:
-    """The shortest prompt suffix (at least 4 tokens when the prompt has them) that starts on a
-    whole character, so the stream never begins inside a split UTF-8 sequence."""
+    """The shortest prompt suffix (at least 4 tokens when the prompt has them) that starts and
+    ends on a whole character; none when there is no such suffix.
+
+    A context that began inside a split UTF-8 sequence would decode wrongly; one that ended
+    inside one would be completed by the first output token, and the stream would then hand out
+    the whole context as output text. Without context, output bytes that continue a character
+    the prompt began read as U+FFFD, as ``tokenizer.decode(output_ids)`` has them.
+    """
     num_tokens = len(prompt_token_ids)
     for length in range(min(4, num_tokens), min(_MAX_PROMPT_CONTEXT_TOKENS, num_tokens) + 1):
         suffix = list(prompt_token_ids[num_tokens - length :])
-        if not backend.decode(suffix, skip_special_tokens=False).startswith("\ufffd"):
+        text = backend.decode(suffix, skip_special_tokens=False)
+        if not text.startswith("\ufffd") and not text.endswith("\ufffd"):
             return suffix
-    return list(prompt_token_ids[num_tokens - min(4, num_tokens) :])
+    return []
 
 
 class IncrementalDetokenizer:
@@ -56,10 +63,11 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: object, prompt_token_ids: Sequence[int], params: SamplingParams):
         self._backend = backend_tokenizer(tokenizer)
-        self._stream = DecodeStream(
-            ids=_prompt_context(self._backend, prompt_token_ids),
-            skip_special_tokens=params.skip_special_tokens,
-        )
+        self._context = _prompt_context(self._backend, prompt_token_ids)
+        self._skip_special_tokens = params.skip_special_tokens
+        self._stream = DecodeStream(ids=self._context, skip_special_tokens=params.skip_special_tokens)
+        self._token_ids: list[int] = []
+        self._num_held = 0  # tokens the stream holds back: the start of a character not yet whole
         self._stop_strings: list[str] = list(params.stop)
         # As vLLM: stop strings are not looked for until min_tokens tokens are out.
         self._min_tokens = params.min_tokens
@@ -82,9 +90,32 @@ class IncrementalDetokenizer:
         if self.stop_string_hit is not None:
             return ""
         self._num_tokens += 1
+        self._token_ids.append(token_id)
         new_text = self._stream.step(self._backend, token_id)
         if not new_text:
+            self._num_held += 1
             return ""  # None: the token only started a multi-byte character
+        self._num_held = 0
+        return self._add_text(new_text)
+
+    def finish(self) -> str:
+        """The completion ended: add what the stream still holds (bytes of a character the last
+        tokens began but never finished read as U+FFFD, as ``tokenizer.decode`` has them)."""
+        num_held, self._num_held = self._num_held, 0
+        if self.stop_string_hit is not None or not num_held:
+            return ""
+        context_text = self._decode(self._context)
+        full = self._decode(self._context + self._token_ids)
+        if full.startswith(context_text + self._text):
+            held_text = full[len(context_text) + len(self._text):]
+        else:  # a decoder whose output is not the sum of its parts: decode the held tokens alone
+            held_text = self._decode(self._token_ids[-num_held:])
+        return self._add_text(held_text) if held_text else ""
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._backend.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+
+    def _add_text(self, new_text: str) -> str:
         previous_length = len(self._text)
         self._text += new_text
         self._check_stop_strings(num_new_chars=len(new_text))
@@ -93,10 +124,12 @@ class IncrementalDetokenizer:
     def _check_stop_strings(self, num_new_chars: int) -> None:
         if not self._stop_strings or self._num_tokens < self._min_tokens:
             return
-        # A new match must end inside the new text, so it starts at most len(stop) - 1 before it.
-        search_from = max(0, len(self._text) - num_new_chars - (self._longest_stop - 1))
         earliest_start, earliest_stop = len(self._text), None
         for stop in self._stop_strings:
+            # A new match must end inside the new text, so it starts at most len(stop) - 1
+            # before it; searching from further back would let a stop string that completed
+            # before min_tokens count later.
+            search_from = max(0, len(self._text) - num_new_chars - (len(stop) - 1))
             start = self._text.find(stop, search_from)
             if start != -1 and start < earliest_start:
                 earliest_start, earliest_stop = start, stop

@@ -272,6 +272,8 @@ class LLMEngine:
         parent, child = entry
         for token_id in update.new_token_ids:
             child.detokenizer.append(token_id)
+        if update.request.is_finished:
+            child.detokenizer.finish()  # a character the last tokens left unfinished still shows
         for ids, values, rank in update.new_logprobs:
             entry_logprobs = {}
             for position, (token_id, value) in enumerate(zip(ids, values)):

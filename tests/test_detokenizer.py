@@ -63,6 +63,43 @@ def test_prompt_does_not_leak_into_output(byte_level_tokenizer):
     assert detokenizer.output_text == " crème"
 
 
+def _split_character_ids(tokenizer, text):
+    """Token ids of ``text`` and the index of the first token that holds only part of a character."""
+    token_ids = encode(tokenizer, text)
+    for index, token_id in enumerate(token_ids):
+        if "\ufffd" in decode_token(tokenizer, token_id):
+            return token_ids, index
+    raise AssertionError("the test needs a character split across tokens")
+
+
+def test_a_prompt_ending_inside_a_character_does_not_leak_into_the_output(byte_level_tokenizer):
+    token_ids, split = _split_character_ids(byte_level_tokenizer, "Secret prompt: 🎉 ok")
+    prompt, output = token_ids[:split + 1], token_ids[split + 1:]  # the prompt holds the first byte(s)
+    detokenizer, _ = detokenize(byte_level_tokenizer, output, prompt=prompt)
+    detokenizer.finish()
+    assert detokenizer.output_text == byte_level_tokenizer.decode(output)
+    assert "prompt" not in detokenizer.output_text and detokenizer.output_text.startswith("\ufffd")
+
+
+def test_finish_adds_the_bytes_of_an_unfinished_character(byte_level_tokenizer):
+    token_ids, split = _split_character_ids(byte_level_tokenizer, "Hi 🎉")
+    output = token_ids[:split + 1]  # ends inside the emoji, as max_tokens or EOS can
+    detokenizer, pieces = detokenize(byte_level_tokenizer, output)
+    streamed = "".join(pieces)
+    assert "\ufffd" not in streamed  # the stream holds the partial character back...
+    held = detokenizer.finish()  # ...until the completion ends
+    assert held and streamed + held == detokenizer.output_text == byte_level_tokenizer.decode(output)
+    assert detokenizer.next_delta(finished=True) == detokenizer.output_text
+
+
+def test_a_stop_string_that_completed_before_min_tokens_never_counts(byte_level_tokenizer):
+    """Whether it does must not depend on how long the other stop strings are."""
+    token_ids = [token_id for char in "xabcd" for token_id in encode(byte_level_tokenizer, char)]
+    for stops in (["ab"], ["ab", "zzzz"]):
+        detokenizer, _ = detokenize(byte_level_tokenizer, token_ids, SamplingParams(stop=stops, min_tokens=4))
+        assert (detokenizer.output_text, detokenizer.stop_string_hit) == ("xabcd", None), stops
+
+
 def test_prompt_context_keeps_the_first_leading_space():
     """With a Metaspace tokenizer "▁wor" decodes to "wor" at the start of a text, " wor" mid-text."""
     tokenizer = Tokenizer(models.BPE())

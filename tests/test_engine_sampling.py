@@ -48,6 +48,25 @@ def test_top_k_1_equals_greedy(tiny_llm):
     assert tiny.token_ids == greedy.token_ids
 
 
+def test_a_completion_cut_inside_a_character_keeps_its_bytes(tiny_llm, monkeypatch):
+    """max_tokens ends the completion two bytes into a four-byte emoji: the text must still say
+    what the tokens say (as tokenizer.decode does), not drop them."""
+    model = tiny_llm.engine.runner.model
+    original = model.compute_logits
+    script = [ord("a"), ord("b"), *"🎉".encode()[:2]]  # the tiny tokenizer's ids are bytes
+
+    def forced(hidden):
+        logits = torch.full_like(original(hidden), -10.0)  # [rows, vocab]
+        for row in range(logits.shape[0]):
+            logits[row, script.pop(0) if script else ord("x")] = 10.0
+        return logits
+
+    monkeypatch.setattr(model, "compute_logits", forced)
+    output = generate_one(tiny_llm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert output.token_ids == [97, 98, 240, 159]
+    assert output.text == tiny_llm.get_tokenizer().decode(output.token_ids) == "ab\ufffd"
+
+
 def test_stop_string_is_cut_and_reported(tiny_llm):
     greedy = generate_one(tiny_llm, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     text = greedy.text
