@@ -225,6 +225,22 @@ def test_logprobs_come_from_raw_logits():
     assert only_sampled.logprobs.shape == (5, 1)
 
 
+def test_logprobs_of_bf16_logits_are_fp32_whatever_the_batch():
+    """An all-greedy batch skipped the upcast, so a row's logprobs changed with its batch-mates."""
+    logits = random_logits(2).bfloat16()
+    greedy = SamplingParams(temperature=0, logprobs=3)
+    alone = sample(logits[:1], [greedy])
+    mixed = sample(logits, [greedy, SamplingParams(temperature=1.0)])
+    assert alone.logprobs.dtype == torch.float32
+    assert torch.equal(alone.logprobs[0], mixed.logprobs[0])
+    assert torch.equal(alone.logprob_token_ids[0], mixed.logprob_token_ids[0])
+
+
+def test_a_top_k_beyond_int32_is_clamped_to_the_vocabulary():
+    metadata = build_sampling_metadata([SamplingParams(top_k=2**40)], [0], [0], VOCAB)
+    assert metadata.top_k.tolist() == [VOCAB]
+
+
 def test_uniform_noise_is_deterministic_and_strictly_inside_zero_one():
     seeds = torch.tensor([0, -1, 2**62, -(2**63), 12345])
     positions = torch.tensor([0, 1, 2, 3, 100000])

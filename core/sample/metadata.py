@@ -101,7 +101,7 @@ def build_sampling_metadata(
     prompts = prompt_token_ids if prompt_token_ids is not None else [[] for _ in range(num_rows)]
     greedy = [p.is_greedy for p in params]
     # Greedy rows ignore the filters, so zero them to keep the skip flags honest.
-    top_k = [0 if g else p.top_k for p, g in zip(params, greedy)]
+    top_k = [0 if g else min(p.top_k, vocab_size) for p, g in zip(params, greedy)]  # fits int32
     top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
     min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
     no_penalties = not any(p.uses_penalties for p in params)

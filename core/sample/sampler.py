@@ -45,7 +45,9 @@ class Sampler:
             logits = logits.float()  # torch ops and logprobs work in fp32; the kernels upcast in registers
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
-            raw_logprobs = logits.log_softmax(dim=-1)  # [num_rows, vocab]
+            # fp32 whatever the batch: an all-greedy batch keeps the model's dtype above, and a
+            # request's logprobs must not depend on its batch-mates.
+            raw_logprobs = logits.float().log_softmax(dim=-1)  # [num_rows, vocab]
         logits = self.apply_constraints(logits, metadata)
         sampled_token_ids = self.choose_tokens(logits, metadata)  # [num_rows]
         if raw_logprobs is None:
