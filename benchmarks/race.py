@@ -121,6 +121,8 @@ def main() -> None:
     shutil.rmtree(triton_cache["TRITON_CACHE_DIR"], ignore_errors=True)
     vllm_startup, vllm_rates = (None, {}) if args.skip_vllm else vllm_throughput(model, sizes, args.out_dir)
 
+    # The peer is named by the version that ran, not by the one this script was written against.
+    peer_name = None if args.skip_vllm else f"vllm-{info['vllm'] or 'unknown'}"
     records, rows = [], []
     runs = [("", size, weir[size]) for size in sizes]
     runs += [(label, size, variant_runs[label, size]) for label, _ in variants for size in sizes]
@@ -129,13 +131,13 @@ def main() -> None:
         peer = vllm_rates.get(size)
         workload = (f"{args.model}-nano" if size == 256 else f"{args.model}-{size}") + (f"-{label}" if label else "")
         records.append({"workload": workload, "metric": "output_tokens_per_second",
-                        "weir": round(ours, 1), "peer": "vllm-0.26.0", "peer_value": peer,
+                        "weir": round(ours, 1), "peer": peer_name, "peer_value": peer,
                         "ratio": round(ours / peer, 3) if peer else None, "date": date, "device": info["gpu"]})
         rows.append((f"{size} requests, output tok/s{f' ({label})' if label else ''}", f"{ours:,.0f}", f"{peer:,.0f}" if peer else "-",
                      f"{ours / peer:.2f}" if peer else "-"))
     weir_startup = weir[sizes[0]]["startup_seconds"]
     records.append({"workload": f"startup-{args.model}", "metric": "startup_seconds", "weir": round(weir_startup, 1),
-                    "peer": "vllm-0.26.0", "peer_value": vllm_startup,
+                    "peer": peer_name, "peer_value": vllm_startup,
                     "ratio": round(weir_startup / vllm_startup, 3) if vllm_startup else None,
                     "date": date, "device": info["gpu"]})
     rows.append(("start-up to ready, s", f"{weir_startup:.1f}", f"{vllm_startup:.1f}" if vllm_startup else "-",
@@ -151,11 +153,11 @@ def main() -> None:
     (args.out_dir / f"latest-records-{args.model}.json").write_text(json.dumps(records, indent=2))
     lines = [f"# {args.model} nano-bench race, {date}", "",
              f"{info['gpu']}; torch {info['torch']}, triton {info['triton']}, vLLM {info['vllm']} "
-             "(Model Runner V2, CUDA graphs, torch.compile), Weir from this commit.",
+             "(its default runner for this model: see its log), Weir from this commit.",
              f"Workload: {args.model} config, random weights, prompt and output lengths uniform in [100, 1024] "
              "(random.seed(0)), prompt tokens uniform in [0, 10000], temperature 0.6, ignore EOS, max_model_len 4096.",
              f"Command: `{command}`", "",
-             "| metric | Weir | vLLM 0.26.0 | Weir / vLLM |", "|---|---|---|---|"]
+             f"| metric | Weir | vLLM {info['vllm']} | Weir / vLLM |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
     (args.out_dir / f"race-{args.model}-{date}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -68,7 +68,7 @@ class Generation:
         self.ticket.release()
         outputs = self.latest.outputs if self.latest is not None else []
         reasons = [c.finish_reason or reason for c in outputs] or [reason]
-        self.metrics.finished(self.record, reasons, sum(len(c.token_ids) for c in outputs))
+        self.metrics.finished(self.record, reasons, [len(c.token_ids) for c in outputs])
 
 
 async def merge(generations: list[Generation]) -> AsyncIterator[tuple[int, RequestOutput]]:

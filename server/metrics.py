@@ -86,20 +86,23 @@ class ServerMetrics:
         record.first_token_time = time.monotonic()
         self.ttft.observe(record.first_token_time - record.arrival_time)
 
-    def finished(self, record: RequestRecord, finished_reasons: list[str], num_generated_tokens: int) -> None:
-        """Once per engine request; one reason per completion (``n`` of them)."""
+    def finished(self, record: RequestRecord, finished_reasons: list[str], tokens_per_completion: list[int]) -> None:
+        """Once per engine request; one reason and one token count per completion (``n`` of them)."""
         if record.done:
             return
         record.done = True
-        record.num_generated_tokens = num_generated_tokens
-        self.generation_tokens.inc(num_generated_tokens)
+        record.num_generated_tokens = sum(tokens_per_completion)
+        self.generation_tokens.inc(record.num_generated_tokens)
         for reason in finished_reasons:
             self.request_finished.labels(finished_reason=reason).inc()
         if all(reason in ("stop", "length") for reason in finished_reasons):
             now = time.monotonic()
             self.e2e.observe(now - record.arrival_time)
-            if record.first_token_time is not None and num_generated_tokens > 1:
-                self.tpot.observe((now - record.first_token_time) / (num_generated_tokens - 1))
+            # Per completion: the n completions run side by side, so their tokens are not one
+            # sequence (dividing by all of them made TPOT n times too small).
+            for num_tokens in tokens_per_completion:
+                if record.first_token_time is not None and num_tokens > 1:
+                    self.tpot.observe((now - record.first_token_time) / (num_tokens - 1))
 
     def update_engine(self, stats: dict, num_in_flight: int) -> None:
         self.num_running.set(stats["num_running"])

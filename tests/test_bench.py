@@ -149,6 +149,27 @@ def test_decode_weight_bytes_skips_only_an_untied_input_embedding(tied, expected
     assert total == (56 if tied else 96) * 2
 
 
+class _TinyMoE(nn.Module):
+    """One routed-expert layer (8 experts, top 2) beside a dense one."""
+
+    def __init__(self):
+        super().__init__()
+        from weir.layers.moe import FusedExperts
+
+        self.dense = nn.Linear(4, 4, bias=False)
+        self.experts = FusedExperts(num_experts=8, hidden_size=4, intermediate_size=2)
+        self.top_k = 2
+
+
+def test_decode_weight_bytes_count_only_the_experts_a_step_reaches():
+    model = _TinyMoE()
+    dense, expert = 16 * 4, (2 * 2 * 4 + 4 * 2) * 4  # fp32 bytes: the Linear, one expert's gate/up/down
+    assert decode_weight_bytes(model, batch_size=1) == dense + 2 * expert  # exactly top_k at batch 1
+    expected_experts = 8 * (1 - (1 - 2 / 8) ** 3)  # three tokens, uniform routing
+    assert decode_weight_bytes(model, batch_size=3) == round(dense + expected_experts * expert)
+    assert decode_weight_bytes(model, batch_size=1000) == dense + 8 * expert
+
+
 # ---- serve -------------------------------------------------------------------------------
 
 def test_serve_completions_token_ids_and_save_result(fake_server, tmp_path):
@@ -238,3 +259,16 @@ def test_serve_rejects_bad_options(fake_server, args, message):
 def test_serve_unreachable_server_is_a_clear_error():
     result = _invoke("serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1", "--timeout", "5")
     assert result.exit_code == 1 and "cannot reach http://127.0.0.1:9" in result.output
+
+
+def test_chat_chunks_with_empty_content_are_token_arrivals():
+    """As for completions: a chunk may carry a token whose text is not whole yet. Only the role
+    announcement and a closing chunk carry none."""
+    from weir.cli.bench.serve_client import _token_text
+
+    assert _token_text({"delta": {"role": "assistant", "content": ""}}, is_chat=True) is None
+    assert _token_text({"delta": {}, "finish_reason": "stop"}, is_chat=True) is None
+    assert _token_text({"delta": {"content": ""}}, is_chat=True) == ""
+    assert _token_text({"delta": {"content": "hi"}}, is_chat=True) == "hi"
+    assert _token_text({"text": ""}, is_chat=False) == ""
+    assert _token_text({"text": "", "finish_reason": "length"}, is_chat=False) is None

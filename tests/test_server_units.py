@@ -91,3 +91,17 @@ def test_serve_refuses_a_port_outside_the_tcp_range():
 
     result = CliRunner().invoke(app, ["serve", "--port", "70000"])
     assert result.exit_code == 2 and "65535" in result.output  # a usage error, before any model loads
+
+
+def test_tpot_is_per_completion_when_n_is_above_one():
+    """n completions run side by side: TPOT divides each one's time by its own tokens."""
+    from weir.server.metrics import RequestRecord, ServerMetrics
+
+    metrics = ServerMetrics()
+    record = RequestRecord(num_prompt_tokens=5, arrival_time=0.0, first_token_time=0.0)
+    metrics.finished(record, ["length"] * 4, [40] * 4)
+    count = metrics.registry.get_sample_value("weir:time_per_output_token_seconds_count")
+    total = metrics.registry.get_sample_value("weir:time_per_output_token_seconds_sum")
+    assert count == 4 and record.num_generated_tokens == 160
+    elapsed = metrics.registry.get_sample_value("weir:e2e_request_latency_seconds_sum")
+    assert abs(total - 4 * elapsed / 39) < 1e-6 * max(1.0, elapsed)

@@ -6,8 +6,10 @@ Definitions (printed with the numbers):
   prefill-only run (max_tokens=1) has the same prefill and fixed costs, so the difference is the
   decode steps alone;
 - weight bytes per decode step = every parameter byte, except an input embedding table not tied to
-  the LM head (a decode step reads only its batch's rows of it); KV-cache reads are left out, so the
-  achieved figure is a lower bound;
+  the LM head (a decode step reads only its batch's rows of it), and of a MoE layer's routed experts
+  only those the batch's tokens reach: exactly top_k at batch 1, and for larger batches the expected
+  number under uniform routing, E * (1 - (1 - top_k / E) ** batch) (an estimate; the printout says
+  so); KV-cache reads are left out;
 - device copy bandwidth = 2 * bytes / time of a large device-to-device copy (bytes read + written
   per second), the practical ceiling for streaming weights.
 """
@@ -29,18 +31,34 @@ from weir.cli.engine_options import with_engine_options
 LATENCY_PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 
-def decode_weight_bytes(model: Any) -> int:
-    """Parameter bytes a decode step reads (see the module docstring)."""
+def decode_weight_bytes(model: Any, batch_size: int = 1) -> int:
+    """Parameter bytes a decode step of ``batch_size`` requests reads (see the module docstring)."""
+    read_fraction = {id(param): fraction for param, fraction in _routed_expert_fractions(model, batch_size)}
     shared_ids = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         shared_ids.setdefault(id(param), []).append(name)
-    total = 0
+    total = 0.0
     for names in shared_ids.values():
         param = model.get_parameter(names[0])
         untied_input_embedding = len(names) == 1 and names[0].endswith("embed_tokens.weight")
         if not untied_input_embedding:
-            total += param.numel() * param.element_size()
-    return total
+            total += param.numel() * param.element_size() * read_fraction.get(id(param), 1.0)
+    return round(total)
+
+
+def _routed_expert_fractions(model: Any, batch_size: int) -> list[tuple[Any, float]]:
+    """(expert parameter, fraction of its experts a decode step reads) for every MoE layer: a
+    module holding ``experts`` (FusedExperts) and routing each token to ``top_k`` of them."""
+    from weir.layers.moe import FusedExperts
+
+    fractions = []
+    for module in model.modules():
+        experts, top_k = getattr(module, "experts", None), getattr(module, "top_k", None)
+        if isinstance(experts, FusedExperts) and isinstance(top_k, int):
+            num_experts = experts.num_experts
+            expected = num_experts * (1 - (1 - min(top_k, num_experts) / num_experts) ** batch_size)
+            fractions += [(param, expected / num_experts) for param in experts.parameters()]
+    return fractions
 
 
 def measure_copy_bandwidth(platform: Any, device: Any, num_bytes: int) -> float:
@@ -83,12 +101,20 @@ def _timed_runs(llm: Any, prompts: list[dict], params: Any, count: int, label: s
     return seconds
 
 
-def _bandwidth_report(llm: Any, full: list[float], prefill: list[float], output_len: int,
+def _bandwidth_report(llm: Any, full: list[float], prefill: list[float], output_len: int, batch_size: int,
                       measure_copy: bool) -> dict[str, Any]:
     runner = llm.engine.runner
-    weight_bytes = decode_weight_bytes(runner.model)
+    weight_bytes = decode_weight_bytes(runner.model, batch_size)
     report: dict[str, Any] = {"weight_bytes_per_decode_step": weight_bytes, "device": str(runner.device)}
-    typer.echo(f"Weights: {human_bytes(runner.weight_bytes)}; read per decode step: {human_bytes(weight_bytes)}")
+    routed = _routed_expert_fractions(runner.model, batch_size)
+    note = ""
+    if routed and batch_size > 1:
+        note = " (routed experts: the expected number a batch reaches under uniform routing, an estimate)"
+        report["weight_bytes_estimated"] = True
+    elif routed:
+        note = " (routed experts: the top_k each layer reads for one token)"
+    typer.echo(f"Weights: {human_bytes(runner.weight_bytes)}; read per decode step: {human_bytes(weight_bytes)}"
+               f"{note}")
     if output_len < 2:
         typer.echo("Decode steps: none (output_len 1); no bandwidth figure")
         return report
@@ -155,6 +181,6 @@ def latency(
     typer.echo(f"Avg latency: {result['avg_latency_seconds']:.4f} s")
     for name, value in result["percentiles_seconds"].items():
         typer.echo(f"{name[1:]}% percentile latency: {value:.4f} s")
-    result.update(_bandwidth_report(llm, full, prefill, output_len, measure_copy_bandwidth_flag))
+    result.update(_bandwidth_report(llm, full, prefill, output_len, batch_size, measure_copy_bandwidth_flag))
     if output_json is not None:
         write_json(output_json, result)

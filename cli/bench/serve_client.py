@@ -2,8 +2,10 @@
 
 Works against any OpenAI-compatible server. Streams are read as server-sent events; a chunk that
 carries a choice counts as one token arrival (servers send one chunk per token, possibly with
-empty text while a multi-byte character is incomplete), except a closing chunk that carries only
-a finish reason. Token counts come from the stream's ``usage`` when the server sends it.
+empty text while a multi-byte character is incomplete), except a chat stream's opening role
+announcement and a closing chunk that carries only a finish reason. Token counts come from the
+stream's ``usage`` when the server sends it; without it they are the number of arrivals, an
+estimate (a server may put several tokens in one chunk), and the summary says so.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class RequestResult:
     ttft: float = 0.0  # seconds to the first token
     e2e: float = 0.0  # seconds from send to the end of the stream
     itl: list[float] = field(default_factory=list)  # seconds between successive token arrivals
+    output_tokens_estimated: bool = False  # no usage in the stream: output_tokens counts chunks
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,12 @@ def _token_text(choice: dict, is_chat: bool) -> str | None:
     if is_chat:
         delta = choice.get("delta") or {}
         text = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
-        return text or None  # role-only and empty deltas carry no token
-    text = choice.get("text") or ""
+        if "role" in delta and not text:
+            return None  # the role announcement that opens the stream, before any token
+        if "content" not in delta and "reasoning_content" not in delta:
+            return None  # a closing chunk: a finish reason only
+    else:
+        text = choice.get("text") or ""
     if not text and choice.get("finish_reason"):
         return None
     return text
@@ -146,6 +153,7 @@ async def send_request(client: Any, url: str, body: dict, prompt_tokens: int, is
         result.error = "the stream ended without a token"
         return result
     result.output_tokens = usage_output_tokens if usage_output_tokens is not None else arrivals
+    result.output_tokens_estimated = usage_output_tokens is None
     result.success = True
     return result
 

@@ -37,6 +37,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     output_tokens = sum(result.output_tokens for result in done)
     prompt_tokens = sum(result.prompt_tokens for result in done)
     summary: dict[str, Any] = {
+        "output_tokens_estimated": any(result.output_tokens_estimated for result in done),
         "duration_seconds": duration, "successful_requests": len(done),
         "failed_requests": len(results) - len(done),
         "total_prompt_tokens": prompt_tokens, "total_output_tokens": output_tokens,
@@ -70,6 +71,9 @@ def print_summary(summary: dict[str, Any], errors: list[str]) -> None:
     for label, value in rows:
         typer.echo(f"{label:<40}{value:>22}")
     typer.echo("=" * 62)
+    if summary["output_tokens_estimated"]:
+        typer.echo("note: the server sent no token usage, so output tokens (and TPOT, throughput) count "
+                   "stream chunks; a chunk may hold several tokens", err=True)
     for error in sorted(set(errors))[:5]:
         typer.echo(f"failure: {error}", err=True)
 
