@@ -31,18 +31,32 @@ class RequestFailedError(RuntimeError):
     """This request failed inside the engine; other requests go on."""
 
 
+_CLOSED = object()  # put in a stream that was closed or aborted: its reader stops
+
+
 class RequestStream:
     """One admitted request's outputs, each cumulative (text and token ids so far).
 
     Iterate it; ``close()`` (also on cancellation) aborts the request if it has not finished,
-    which frees its KV blocks on the engine's next command pass."""
+    which frees its KV blocks on the engine's next command pass, and ends the iteration of a
+    reader waiting in another task. Outputs are cumulative, so the stream keeps only the newest
+    one not yet read: a reader that falls behind holds one output, not every step's copy."""
 
     def __init__(self, engine: "AsyncLLMEngine", request_id: str, loop: asyncio.AbstractEventLoop):
         self.engine = engine
         self.request_id = request_id
         self.loop = loop
-        self.outputs: asyncio.Queue = asyncio.Queue()  # RequestOutput, or an exception that ends it
+        self._unread: object = None  # the newest RequestOutput, an exception that ends it, or _CLOSED
+        self._ready = asyncio.Event()
         self.finished = False
+
+    def put(self, item: object) -> None:
+        """On the stream's event loop: a new output, an exception or _CLOSED. An ending that is
+        waiting to be read is kept; anything else replaces what is unread."""
+        if self._unread is _CLOSED or isinstance(self._unread, BaseException):
+            return
+        self._unread = item
+        self._ready.set()
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -50,10 +64,12 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self.outputs.get()
-        # Outputs are cumulative, so a consumer that fell behind needs only the newest one.
-        while not self.outputs.empty() and not isinstance(item, BaseException):
-            item = self.outputs.get_nowait()
+        await self._ready.wait()
+        item, self._unread = self._unread, None
+        self._ready.clear()
+        if item is _CLOSED:
+            self.finished = True
+            raise StopAsyncIteration
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -64,7 +80,8 @@ class RequestStream:
     def close(self) -> None:
         if not self.finished:
             self.finished = True
-            self.engine.abort(self.request_id)
+            self.engine._abort_stream(self)
+            self.put(_CLOSED)
 
 
 class AsyncLLMEngine:
@@ -72,6 +89,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
+        self._num_adding = 0  # adds sent and not yet answered (counted on the event loop)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weir-engine", daemon=True)
         self._thread.start()
@@ -96,12 +114,15 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine loop is not running")
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
         added = concurrent.futures.Future()
+        self._num_adding += 1  # shutdown's grace period waits for these too
         self._commands.put(("add", prompt, params, stream, added))
         try:
             await self._wait_for_engine(added)
         except asyncio.CancelledError:
-            self.abort(request_id)  # queued after the add, so it reaches the request it names
+            self._abort_stream(stream)  # queued after the add, so it reaches the request it names
             raise
+        finally:
+            self._num_adding -= 1
         return stream
 
     async def generate(self, request_id: str, prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -130,7 +151,13 @@ class AsyncLLMEngine:
         return await self._wait_for_engine(self.call(fn))
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        """Abort the request now known by this id; its reader's iteration ends."""
+        self._commands.put(("abort", request_id, None))
+
+    def _abort_stream(self, stream: RequestStream) -> None:
+        """Abort ``stream``'s request, and nothing else: its id may name a newer request by the
+        time the command runs (the old one finished and the id was reused)."""
+        self._commands.put(("abort", stream.request_id, stream))
 
     def call(self, fn) -> concurrent.futures.Future:
         """Run ``fn(engine)`` on the engine thread (for stats); returns a concurrent Future."""
@@ -145,7 +172,7 @@ class AsyncLLMEngine:
         """Let in-flight requests finish for up to ``grace_seconds``, then abort the rest."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_seconds
-        while self._streams and loop.time() < deadline:
+        while (self._streams or self._num_adding) and loop.time() < deadline:
             await asyncio.sleep(0.05)
         self._stopping.set()
         self._commands.put(("wake",))
@@ -187,8 +214,13 @@ class AsyncLLMEngine:
                 self._streams[stream.request_id] = stream
                 added.set_result(None)
             elif kind == "abort":
-                if self._streams.pop(command[1], None) is not None:
-                    self.engine.abort_request(command[1])
+                _, request_id, stream = command
+                current = self._streams.get(request_id)
+                if current is not None and (stream is None or current is stream):
+                    del self._streams[request_id]
+                    self.engine.abort_request(request_id)
+                    if stream is None:  # aborted by id: wake the reader (close() woke its own)
+                        _deliver_threadsafe(current.loop, [(current, _CLOSED)])
             elif kind == "call":
                 _, fn, done = command
                 try:
@@ -256,7 +288,7 @@ def _deliver_threadsafe(loop: asyncio.AbstractEventLoop, items: list) -> None:
     """Hand a step's outputs to one event loop with one wake-up (not one per request)."""
     def deliver() -> None:
         for stream, item in items:
-            stream.outputs.put_nowait(item)
+            stream.put(item)
 
     try:
         loop.call_soon_threadsafe(deliver)

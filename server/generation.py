@@ -77,7 +77,9 @@ async def merge(generations: list[Generation]) -> AsyncIterator[tuple[int, Reque
         async for output in generations[0]:
             yield 0, output
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    # Bounded: a pump whose consumer falls behind waits here and stops reading its stream, which
+    # then keeps only its newest (cumulative) output instead of this queue keeping every one.
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(generations))
     done = object()
 
     async def pump(index: int, generation: Generation) -> None:
