@@ -68,7 +68,7 @@ class ServerMetrics:
         self.ttft = Histogram("weir:time_to_first_token_seconds", "Time from arrival to the first token",
                               buckets=TTFT_BUCKETS, registry=registry)
         self.tpot = Histogram("weir:time_per_output_token_seconds", "Mean time between output tokens, "
-                              "per request", buckets=TPOT_BUCKETS, registry=registry)
+                              "per completion (vLLM's metric of this name is per step)", buckets=TPOT_BUCKETS, registry=registry)
         self.e2e = Histogram("weir:e2e_request_latency_seconds", "Time from arrival to the last token",
                              buckets=E2E_BUCKETS, registry=registry)
         self._engine_counts = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
