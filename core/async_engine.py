@@ -189,11 +189,12 @@ class AsyncLLMEngine:
                     self._step()
         except BaseException as error:  # a bug in the loop itself: fail everyone loudly
             logger.exception("engine loop died")
-            self._fail_all(EngineDeadError(f"the engine loop died: {error!r}"))
+            self._fail(list(self._streams), EngineDeadError(f"the engine loop died: {error!r}"))
             self._fail_pending_calls(error)
             return
-        self._fail_all(EngineDeadError("the engine is shutting down"))
-        self._abort_all()
+        request_ids = list(self._streams)
+        self._fail(request_ids, EngineDeadError("the engine is shutting down"))
+        self.engine.abort_request(request_ids)
         self._fail_pending_calls(EngineDeadError("the engine is shutting down"))
 
     def _handle_commands(self, block: bool) -> None:
@@ -250,21 +251,9 @@ class AsyncLLMEngine:
         for loop, items in deliveries.items():
             _deliver_threadsafe(loop, items)
 
-    def _fail_all(self, error: BaseException) -> None:
-        deliveries: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
-        for stream in self._streams.values():
-            deliveries[stream.loop].append((stream, error))
-        for loop, items in deliveries.items():
-            _deliver_threadsafe(loop, items)
-
-    def _abort_all(self) -> None:
-        request_ids = list(self._streams)
-        self._streams.clear()
-        self.engine.abort_request(request_ids)
-
     def _fail(self, request_ids, error: BaseException) -> None:
-        """Deliver ``error`` to these requests' streams and forget them (the engine has already
-        let go of the requests)."""
+        """Deliver ``error`` to these requests' streams and forget the streams (aborting the
+        requests in the engine, where that is still needed, is the caller's part)."""
         deliveries: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         for request_id in request_ids:
             stream = self._streams.pop(request_id, None)

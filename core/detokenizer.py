@@ -66,7 +66,6 @@ class IncrementalDetokenizer:
         self._context = _prompt_context(self._backend, prompt_token_ids)
         self._skip_special_tokens = params.skip_special_tokens
         self._stream = DecodeStream(ids=self._context, skip_special_tokens=params.skip_special_tokens)
-        self._token_ids: list[int] = []
         self._num_held = 0  # tokens the stream holds back: the start of a character not yet whole
         self._stop_strings: list[str] = list(params.stop)
         # As vLLM: stop strings are not looked for until min_tokens tokens are out.
@@ -90,7 +89,6 @@ class IncrementalDetokenizer:
         if self.stop_string_hit is not None:
             return ""
         self._num_tokens += 1
-        self._token_ids.append(token_id)
         new_text = self._stream.step(self._backend, token_id)
         if not new_text:
             self._num_held += 1
@@ -98,18 +96,19 @@ class IncrementalDetokenizer:
         self._num_held = 0
         return self._add_text(new_text)
 
-    def finish(self) -> str:
-        """The completion ended: add what the stream still holds (bytes of a character the last
-        tokens began but never finished read as U+FFFD, as ``tokenizer.decode`` has them)."""
+    def finish(self, token_ids: Sequence[int]) -> str:
+        """The completion ended with ``token_ids`` (every token appended): add what the stream
+        still holds (bytes of a character the last tokens began but never finished read as
+        U+FFFD, as ``tokenizer.decode`` has them)."""
         num_held, self._num_held = self._num_held, 0
         if self.stop_string_hit is not None or not num_held:
             return ""
         context_text = self._decode(self._context)
-        full = self._decode(self._context + self._token_ids)
+        full = self._decode(self._context + list(token_ids))
         if full.startswith(context_text + self._text):
             held_text = full[len(context_text) + len(self._text):]
         else:  # a decoder whose output is not the sum of its parts: decode the held tokens alone
-            held_text = self._decode(self._token_ids[-num_held:])
+            held_text = self._decode(list(token_ids[-num_held:]))
         return self._add_text(held_text) if held_text else ""
 
     def _decode(self, token_ids: list[int]) -> str:

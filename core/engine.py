@@ -221,7 +221,7 @@ class LLMEngine:
         """
         self._in_flight.clear()
         never_ran = {request.request_id for request in self.scheduler.waiting
-                     if request.status == RequestStatus.WAITING and request.num_output_placeholders == 0}
+                     if request.status == RequestStatus.WAITING}  # preempted ones are PREEMPTED
         failed = [request_id for request_id, parent in self._parents.items()
                   if any(child.request.request_id not in never_ran for child in parent.children)]
         self.abort_request(failed)
@@ -273,7 +273,8 @@ class LLMEngine:
         for token_id in update.new_token_ids:
             child.detokenizer.append(token_id)
         if update.request.is_finished:
-            child.detokenizer.finish()  # a character the last tokens left unfinished still shows
+            # A character the last tokens left unfinished still shows.
+            child.detokenizer.finish(update.request.output_token_ids)
         for ids, values, rank in update.new_logprobs:
             entry_logprobs = {}
             for position, (token_id, value) in enumerate(zip(ids, values)):

@@ -140,22 +140,16 @@ class PluginRegistry:
     # -- resolution: import a spec's "module:Class" target on demand --------------------------
 
     def resolve_model(self, architecture: str) -> type:
-        return self._resolve("models", architecture)
+        return self.resolve("models", architecture)
 
     def resolve_attention_backend(self, name: str) -> type:
-        return self._resolve("attention_backends", name)
+        return self.resolve("attention_backends", name)
 
     def resolve_moe_backend(self, name: str) -> type:
-        return self._resolve("moe_backends", name)
+        return self.resolve("moe_backends", name)
 
     def resolve_platform(self, name: str) -> type[Platform]:
-        return self._resolve("platforms", name)
-
-    def resolve(self, attribute: str, key: str) -> type:
-        """The class registered under ``key`` in the ``attribute`` table ("models",
-        "attention_backends", "moe_backends", "platforms"), imported and checked against its
-        interface; PluginError names the plugin when it is not one."""
-        return self._resolve(attribute, key)
+        return self.resolve("platforms", name)
 
     def platform_availability(self, name: str) -> tuple[bool, str]:
         """``(available, why not)`` of a registered platform. A plugin whose check itself fails
@@ -172,7 +166,10 @@ class PluginRegistry:
             logger.warning("platform %s is unavailable: %s", name, reason)
             return False, reason
 
-    def _resolve(self, attribute: str, key: str) -> type:
+    def resolve(self, attribute: str, key: str) -> type:
+        """The class registered under ``key`` in the ``attribute`` table ("models",
+        "attention_backends", "moe_backends", "platforms"), imported and checked against its
+        interface; PluginError names the plugin when it is not one."""
         table: dict[str, Registered] = getattr(self, attribute)
         if key not in table:
             label = _HOOK_KINDS[attribute].label

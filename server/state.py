@@ -63,13 +63,13 @@ class ServerState:
             raise bad_request(f"the chat template cannot render these messages: {error}",
                               param="messages") from error
 
-    async def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
             if add_special_tokens:
                 return await self._off_loop(encode_prompt, self.tokenizer, text)
             return await self._off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=False))
         except (TypeError, ValueError) as error:  # text the tokenizer refuses, e.g. a lone UTF-16 surrogate
-            raise bad_request(f"the prompt cannot be tokenized: {error}", param=param) from error
+            raise bad_request(f"the prompt cannot be tokenized: {error}", param="prompt") from error
 
     def decode(self, token_ids: list[int]) -> str:
         vocab_size = self.engine.engine.model_config.vocab_size

@@ -76,7 +76,7 @@ def test_a_prompt_ending_inside_a_character_does_not_leak_into_the_output(byte_l
     token_ids, split = _split_character_ids(byte_level_tokenizer, "Secret prompt: 🎉 ok")
     prompt, output = token_ids[:split + 1], token_ids[split + 1:]  # the prompt holds the first byte(s)
     detokenizer, _ = detokenize(byte_level_tokenizer, output, prompt=prompt)
-    detokenizer.finish()
+    detokenizer.finish(output)
     assert detokenizer.output_text == byte_level_tokenizer.decode(output)
     assert "prompt" not in detokenizer.output_text and detokenizer.output_text.startswith("\ufffd")
 
@@ -87,7 +87,7 @@ def test_finish_adds_the_bytes_of_an_unfinished_character(byte_level_tokenizer):
     detokenizer, pieces = detokenize(byte_level_tokenizer, output)
     streamed = "".join(pieces)
     assert "\ufffd" not in streamed  # the stream holds the partial character back...
-    held = detokenizer.finish()  # ...until the completion ends
+    held = detokenizer.finish(output)  # ...until the completion ends
     assert held and streamed + held == detokenizer.output_text == byte_level_tokenizer.decode(output)
     assert detokenizer.next_delta(finished=True) == detokenizer.output_text
 
