@@ -24,7 +24,9 @@ A model plugin registers ``ModelSpec(architecture, "pkg.module:XForCausalLM")``;
   substitution cannot map, such as per-expert tensors stacked into one parameter
   (``weir.layers.moe.PER_EXPERT_PATTERNS``: ``...experts.7.up_proj.weight`` -> shard ``up.7`` of
   ``...experts.gate_up_proj``); the parameter and shard are ``match.expand`` templates. A module
-  whose parameters have different shards lists them per parameter (``param_shard_ids(attr)``).
+  whose parameters have different shards lists them per parameter (``param_shard_ids(attr)``);
+  one whose parameter holds more than a whole checkpoint tensor fills names that part
+  (``whole_slice(attr)``: ``FusedExperts`` keeps its shared experts after the routed ones).
 - ``ignored_checkpoint_patterns``: regexes (``re.search``) of checkpoint names to skip, such as
   ``rotary_emb\\.inv_freq``. A checkpoint copy of a tied weight (``lm_head.weight`` when tied) is
   skipped without being listed.
@@ -38,7 +40,7 @@ A model plugin registers ``ModelSpec(architecture, "pkg.module:XForCausalLM")``;
 - ``state_layers()`` (hybrid models): one spec per linear-attention layer; each gets per-request
   state slots (``weir.linear_attention``), and the context carries ``linear_attn_backend``,
   ``linear_attn_metadata`` and ``layer_states``. MoE layers call ``ctx.moe_backend``
-  (``weir.layers.moe.FusedExperts`` does).
+  (``weir.layers.moe.FusedExperts`` does, shared experts included when it holds them).
 - Modules owning non-persistent buffers (cos/sin caches) define
   ``materialize_buffers(device)``; modules that rearrange checkpoint layouts once (fused
   projections regrouped for the forward) define ``process_weights_after_loading()``; the loader

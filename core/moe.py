@@ -70,25 +70,48 @@ class MoEBackend(ABC):
     def forward(
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden]
-        router_logits: torch.Tensor,  # [num_tokens, num_experts]
-        w_gate_up: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]
-        w_down: torch.Tensor,  # [num_experts, hidden, intermediate]
+        router_logits: torch.Tensor,  # [num_tokens, num_routed_experts]
+        w_gate_up: torch.Tensor,  # [num_routed_experts + num_shared_experts, 2 * intermediate, hidden]
+        w_down: torch.Tensor,  # [num_routed_experts + num_shared_experts, hidden, intermediate]
         top_k: int,
         renormalize: bool,
         activation: str = "silu",
+        num_shared_experts: int = 0,
+        shared_gate_logits: torch.Tensor | None = None,  # [num_tokens, num_shared_experts]
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        """Softmax routing to ``top_k`` experts (weights renormalised when asked), then the experts."""
-        topk_weights, topk_ids = self.route(router_logits, top_k, renormalize)
+        """Softmax routing to ``top_k`` experts (weights renormalised when asked), then the experts.
+
+        The last ``num_shared_experts`` experts of the weights are shared experts: every token
+        uses each of them, weighted ``sigmoid(shared_gate_logits)`` (1 without gate logits), as
+        if routed there in extra top-k slots. Computing them in the same grouped kernels spares a
+        dense MLP, its gate and the final sum per layer.
+        """
+        num_routed = router_logits.shape[-1]
+        if w_gate_up.shape[0] != num_routed + num_shared_experts:
+            raise ValueError(f"expert weights hold {w_gate_up.shape[0]} experts, but the router scores "
+                             f"{num_routed} and {num_shared_experts} are shared")
+        if num_shared_experts:
+            topk_weights, topk_ids = self.route(router_logits, top_k, renormalize, num_shared_experts,
+                                                shared_gate_logits)
+        else:
+            topk_weights, topk_ids = self.route(router_logits, top_k, renormalize)
         return self.experts(hidden, topk_weights, topk_ids, w_gate_up, w_down, activation)
 
     def route(
         self,
-        router_logits: torch.Tensor,  # [num_tokens, num_experts]
+        router_logits: torch.Tensor,  # [num_tokens, num_routed_experts]
         top_k: int,
         renormalize: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # weights [num_tokens, top_k] fp32, integer ids [num_tokens, top_k]
-        """``softmax_top_k``; a backend may compute the same in a fused kernel."""
-        return softmax_top_k(router_logits, top_k, renormalize)
+        num_shared_experts: int = 0,
+        shared_gate_logits: torch.Tensor | None = None,  # [num_tokens, num_shared_experts]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # weights fp32, integer ids: [num_tokens, top_k + num_shared_experts]
+        """``softmax_top_k``, then one slot per shared expert (``append_shared_experts``); a
+        backend may compute the same in a fused kernel."""
+        topk_weights, topk_ids = softmax_top_k(router_logits, top_k, renormalize)
+        if not num_shared_experts:
+            return topk_weights, topk_ids
+        return append_shared_experts(topk_weights, topk_ids, router_logits.shape[-1], num_shared_experts,
+                                     shared_gate_logits)
 
     @abstractmethod
     def experts(
@@ -101,3 +124,29 @@ class MoEBackend(ABC):
         activation: str = "silu",
     ) -> torch.Tensor:  # [num_tokens, hidden], in hidden's dtype
         """Sum over each token's experts of ``weight * down(act(gate(x)) * up(x))``."""
+
+
+def append_shared_experts(
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32
+    topk_ids: torch.Tensor,  # [num_tokens, top_k]
+    num_routed: int,
+    num_shared: int,
+    shared_gate_logits: torch.Tensor | None,  # [num_tokens, num_shared]
+) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, top_k + num_shared] each
+    """One more slot per shared expert: ids ``num_routed ..``, weights ``sigmoid(gate logit)`` in
+    fp32 (1 without gate logits)."""
+    num_tokens = topk_ids.shape[0]
+    shared_ids = torch.arange(num_routed, num_routed + num_shared, device=topk_ids.device, dtype=topk_ids.dtype)
+    if shared_gate_logits is None:
+        shared_weights = topk_weights.new_ones(num_tokens, num_shared)
+    else:
+        check_shared_gate_logits(shared_gate_logits, num_tokens, num_shared)
+        shared_weights = torch.sigmoid(shared_gate_logits.float())
+    return (torch.cat([topk_weights, shared_weights], dim=1),
+            torch.cat([topk_ids, shared_ids.expand(num_tokens, num_shared)], dim=1))
+
+
+def check_shared_gate_logits(shared_gate_logits: torch.Tensor, num_tokens: int, num_shared: int) -> None:
+    if tuple(shared_gate_logits.shape) != (num_tokens, num_shared):
+        raise ValueError(f"shared_gate_logits must be [{num_tokens}, {num_shared}] (tokens, shared experts), "
+                         f"got {tuple(shared_gate_logits.shape)}")

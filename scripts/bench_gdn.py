@@ -1,6 +1,7 @@
 """Gated DeltaNet kernel timings on CUDA at Qwen3-Next shapes (H=16, HV=32, Dk=Dv=128, conv 8192x4):
 Weir's slot-indexed decode kernels (recurrent step: achieved bandwidth on the fp32 state it
-reads and writes, with a tile sweep) and fla's chunk prefill.
+reads and writes, with a tile sweep) and fla's chunk prefill. Timings are of eager launches: at
+small batches they measure Python's launch cost (~35 us), not the kernel (profile_steps.py does).
 
     python3 scripts/bench_gdn.py
 """
@@ -41,6 +42,12 @@ def decode(batch: int) -> None:
     conv_out = torch.empty_like(mixed)
     out = torch.empty(batch, HV, DV, dtype=torch.bfloat16, device="cuda")
     conv_ms = time_ms(lambda: conv_decode_step(mixed, conv_state, weight, slots, conv_out))
+    conv_runs = sorted((time_ms(lambda: conv_decode_step(mixed, conv_state, weight, slots, conv_out, block_d=block_d,
+                                                         num_warps=num_warps)), block_d, num_warps)
+                       for block_d in (128, 256, 512, 1024, 2048) for num_warps in (2, 4, 8))
+    conv_bytes = batch * CONV_DIM * (2 * CONV_KERNEL + 2) * 2  # state read + written, x read, out written
+    print(f"conv B={batch:4d}: default {conv_ms * 1e3:6.1f} us ({conv_bytes / conv_ms / 1e6:5.0f} GB/s); best "
+          + ", ".join(f"{ms * 1e3:.1f} us (block_d {bd}, warps {nw})" for ms, bd, nw in conv_runs[:3]))
     state_bytes = 2 * batch * HV * DK * DV * 4
     results = []
     for block_v in (16, 32, 64, 128):
@@ -49,11 +56,11 @@ def decode(batch: int) -> None:
                                                  block_v=block_v, num_warps=num_warps))
             results.append((ms, block_v, num_warps))
     results.sort()
-    default = next(ms for ms, bv, nw in results if bv == 32 and nw == 4)
+    default = next(ms for ms, bv, nw in results if bv == 64 and nw == 4)  # gdn_decode_step's defaults
     best = results[0]
     print(f"decode B={batch:4d}: conv {conv_ms * 1e3:6.1f} us; recurrent default {default * 1e3:7.1f} us "
-          f"({state_bytes / default / 1e9:6.0f} GB/s), best {best[0] * 1e3:7.1f} us "
-          f"({state_bytes / best[0] / 1e9:6.0f} GB/s) block_v {best[1]} warps {best[2]}")
+          f"({state_bytes / default / 1e6:6.0f} GB/s), best {best[0] * 1e3:7.1f} us "
+          f"({state_bytes / best[0] / 1e6:6.0f} GB/s) block_v {best[1]} warps {best[2]}")
 
 
 def chunk(num_tokens: int, num_seqs: int) -> None:

@@ -1,13 +1,15 @@
 """Milliseconds per MoE expert call at Qwen3-Next-80B shapes: torch vs Triton backends, on CUDA.
 
-    python scripts/bench_moe.py [--iters 30] [--tokens 1,16,64] [--sweep]
+    python scripts/bench_moe.py [--iters 30] [--tokens 1,16,64] [--sweep] [--shared]
 
 E=512 experts, top_k=10, H=2048, I=512, bf16, random weights and softmax routing. "GB/s" is the
 bytes of the experts a batch touches (distinct ids x 3*H*I*2) over the time: decode is weight
 streaming, so it should approach the HBM peak. "triton graph" replays the call from a CUDA
 graph, as decode runs it; the eager columns include Python launch overhead (the torch backend
 syncs, so it has no graph column). --sweep times other tile sets per batch, to tune
-BF16_TILE_TABLE in weir.plugins.moe_backends.triton_fused_kernels. Times are CUDA-event medians.
+BF16_TILE_TABLE in weir.plugins.moe_backends.triton_fused_kernels. --shared times Qwen3-Next's
+shared expert both ways (a separate gated MLP after the routed experts, or a 513th expert in the
+fused kernels), routing included. Times are CUDA-event medians.
 """
 
 from __future__ import annotations
@@ -88,11 +90,46 @@ def sweep(num_tokens: int, batch, weights, iters: int) -> None:
         print(f"    {milliseconds:8.3f} ms {flops / milliseconds / 1e9:6.0f} TFLOP/s  {tiles}{marker}", flush=True)
 
 
+def shared_expert_ways(num_tokens: int, weights, iters: int) -> None:
+    """Routed experts plus a sigmoid-gated shared expert of the same width: as a separate MLP
+    (router GEMM, fused routing, experts, shared gate/up GEMM, SiLU-and-mul, down GEMM, sigmoid,
+    product, sum) or as expert 512 of the fused kernels (router GEMM with the gate row, one routing
+    kernel, experts)."""
+    import torch.nn.functional as F
+
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    hidden = torch.randn(num_tokens, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=generator)
+    router = torch.randn(NUM_EXPERTS + 1, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=generator) * 0.02
+    shared_gate_up = torch.randn(2 * INTERMEDIATE, HIDDEN, device="cuda", dtype=torch.bfloat16,
+                                 generator=generator) * 0.02
+    shared_down = torch.randn(HIDDEN, INTERMEDIATE, device="cuda", dtype=torch.bfloat16, generator=generator) * 0.02
+    with_shared = (torch.cat([weights[0], shared_gate_up[None]]), torch.cat([weights[1], shared_down[None]]))
+    backend = TritonMoEBackend()
+
+    def separate():
+        logits = hidden @ router.T  # [T, E + 1]
+        routed = backend.forward(hidden, logits[:, :NUM_EXPERTS], *weights, TOP_K, True)
+        gate, up = (hidden @ shared_gate_up.T).chunk(2, dim=-1)
+        shared = (F.silu(gate) * up) @ shared_down.T
+        return routed + torch.sigmoid(logits[:, NUM_EXPERTS:]) * shared
+
+    def fused():
+        logits = hidden @ router.T
+        return backend.forward(hidden, logits[:, :NUM_EXPERTS], *with_shared, TOP_K, True, "silu", 1,
+                               logits[:, NUM_EXPERTS:])
+
+    separate_ms, fused_ms = (time_ms(fn, iters, graph=True) for fn in (separate, fused))
+    error = (fused().float() - separate().float()).abs().max().item() / separate().float().abs().max().item()
+    print(f"{num_tokens:>6} tokens: shared expert separate {separate_ms:8.3f} ms, fused {fused_ms:8.3f} ms "
+          f"({separate_ms / fused_ms:.2f}x); max relative difference {error:.1e}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--tokens", default="1,16,64,256,512,2048,8192")
     parser.add_argument("--sweep", action="store_true", help="also time other tile sets (slow: compiles)")
+    parser.add_argument("--shared", action="store_true", help="only time the two ways to run a shared expert")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_moe needs a CUDA device")
@@ -103,6 +140,11 @@ def main() -> None:
         torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, device="cuda", dtype=torch.bfloat16,
                     generator=generator) * 0.02,  # w_down [E, H, I]
     )
+    if args.shared:
+        with torch.no_grad():
+            for num_tokens in (int(value) for value in args.tokens.split(",")):
+                shared_expert_ways(num_tokens, weights, args.iters)
+        return
     torch_backend, triton_backend = TorchMoEBackend(), TritonMoEBackend()
     print(f"{'tokens':>6} {'experts':>7} {'torch ms':>9} {'triton ms':>10} {'graph ms':>9} {'speedup':>8} "
           f"{'torch GB/s':>11} {'graph GB/s':>11}  tiles")

@@ -82,7 +82,8 @@ def profile_window(llm, batch: int, top: int, num_steps: int = 6) -> None:
         engine.step()
     events = prof.key_averages()
     total = sum(getattr(e, "self_device_time_total", 0.0) for e in events)
-    print(f"device busy {total / 1e3 / num_steps:.2f} ms/step; top kernels (us per step):")
+    launches = sum(event.count for event in events) / num_steps
+    print(f"device busy {total / 1e3 / num_steps:.2f} ms/step in {launches:.0f} kernels; top kernels (us per step):")
     for event in sorted(events, key=lambda e: -getattr(e, "self_device_time_total", 0.0))[:top]:
         print(f"  {event.self_device_time_total / num_steps:9.1f}  {event.count / num_steps:5.1f}x  {event.key[:90]}")
 

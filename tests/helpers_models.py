@@ -98,7 +98,8 @@ def make_tiny_qwen2(path: Path, *, rope: str | dict | None = "default", seed: in
 
 def make_tiny_qwen3_next(path: Path, *, seed: int = 0, with_tokenizer: bool = False, **overrides: Any) -> Path:
     """Qwen3-Next: 4 layers (Gated DeltaNet, full, DeltaNet, full), GVA 2 key / 4 value heads,
-    partial RoPE (8 of 32 dims), 8 experts top-2 plus a shared expert; layer 0 has a dense MLP."""
+    partial RoPE (8 of 32 dims), 8 experts top-2 plus a shared expert as wide as one (so Weir runs
+    it among the experts, as for the released models); layer 0 has a dense MLP."""
     from transformers import Qwen3NextConfig
 
     options = {**_COMMON, "num_hidden_layers": 4, "head_dim": 32, "full_attention_interval": 2,
@@ -106,7 +107,7 @@ def make_tiny_qwen3_next(path: Path, *, seed: int = 0, with_tokenizer: bool = Fa
                "partial_rotary_factor": 0.25, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
                "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-               "shared_expert_intermediate_size": 48, "norm_topk_prob": True, "decoder_sparse_step": 1,
+               "shared_expert_intermediate_size": 32, "norm_topk_prob": True, "decoder_sparse_step": 1,
                "mlp_only_layers": [0], "tie_word_embeddings": False,
                "architectures": ["Qwen3NextForCausalLM"], **overrides}
     return _save_random(Qwen3NextConfig(**options), path, seed, with_tokenizer)

@@ -152,12 +152,13 @@ def test_decode_weight_bytes_skips_only_an_untied_input_embedding(tied, expected
 class _TinyMoE(nn.Module):
     """One routed-expert layer (8 experts, top 2) beside a dense one."""
 
-    def __init__(self):
+    def __init__(self, num_shared_experts: int = 0):
         super().__init__()
         from weir.layers.moe import FusedExperts
 
         self.dense = nn.Linear(4, 4, bias=False)
-        self.experts = FusedExperts(num_experts=8, hidden_size=4, intermediate_size=2)
+        self.experts = FusedExperts(num_experts=8, hidden_size=4, intermediate_size=2,
+                                    num_shared_experts=num_shared_experts)
         self.top_k = 2
 
 
@@ -168,6 +169,10 @@ def test_decode_weight_bytes_count_only_the_experts_a_step_reaches():
     expected_experts = 8 * (1 - (1 - 2 / 8) ** 3)  # three tokens, uniform routing
     assert decode_weight_bytes(model, batch_size=3) == round(dense + expected_experts * expert)
     assert decode_weight_bytes(model, batch_size=1000) == dense + 8 * expert
+    # A shared expert stored beside the routed ones is read by every step.
+    model = _TinyMoE(num_shared_experts=1)
+    assert decode_weight_bytes(model, batch_size=1) == dense + 3 * expert
+    assert decode_weight_bytes(model, batch_size=3) == round(dense + (expected_experts + 1) * expert)
 
 
 # ---- serve -------------------------------------------------------------------------------

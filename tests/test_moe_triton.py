@@ -108,6 +108,30 @@ def check_matches_torch(device):
         _assert_matches_reference(actual, expected)
 
 
+def check_shared_experts_match_torch(device):
+    # One gated shared expert after the routed ones (Qwen3-Next), then two ungated ones; the gate
+    # logits are a strided column of a wider router output, as the model passes them.
+    for num_shared, gated in ((1, True), (2, False)):
+        w_gate_up, w_down = _moe_weights(NUM_EXPERTS + num_shared, HIDDEN, INTERMEDIATE, device, seed=20)
+        for num_tokens in (1, 19):
+            hidden = _randn(num_tokens, HIDDEN, device=device, seed=num_tokens)
+            logits = _randn(num_tokens, NUM_EXPERTS + num_shared, device=device, seed=21)
+            router_logits, gate_logits = logits[:, :NUM_EXPERTS], (logits[:, NUM_EXPERTS:] if gated else None)
+            args = (hidden, router_logits, w_gate_up, w_down, TOP_K, True, "silu", num_shared, gate_logits)
+            expected = TorchMoEBackend().forward(*args)
+            _assert_matches_reference(_backend().forward(*args), expected)
+            # The same as routed experts plus each shared expert's (gated) MLP, written out.
+            routed = TorchMoEBackend().forward(hidden, router_logits, w_gate_up[:NUM_EXPERTS],
+                                               w_down[:NUM_EXPERTS], TOP_K, True)
+            for index in range(num_shared):
+                expert = NUM_EXPERTS + index
+                gate, up = (hidden @ w_gate_up[expert].T).chunk(2, dim=-1)
+                mlp = (torch.nn.functional.silu(gate) * up) @ w_down[expert].T
+                scale = torch.sigmoid(gate_logits[:, index:index + 1]) if gated else 1.0
+                routed = routed + scale * mlp
+            _assert_matches_reference(expected, routed)
+
+
 def check_one_expert_takes_every_token(device):
     # 33 rows on one expert span three blocks of 16; most other experts get a row or two.
     w_gate_up, w_down = _moe_weights(NUM_EXPERTS, HIDDEN, INTERMEDIATE, device, seed=3)
@@ -184,12 +208,23 @@ def check_routing_matches_softmax_top_k(device):
     broken = torch.tensor([[float("nan"), 1.0, 2.0, 3.0], [float("inf"), 0.0, 1.0, 2.0]], device=device)
     _, ids = softmax_top_k_triton(broken, 2, False)
     assert ((ids >= 0) & (ids < 4)).all()
+    # Shared experts take the slots after the top k, weighted sigmoid(gate logit) or 1.
+    from weir.moe import append_shared_experts
+
+    logits = _randn(6, 17, device=device, seed=5)
+    for num_shared, gate_logits in ((1, logits[:, 16:]), (2, None), (2, logits[:, 15:])):
+        expected_weights, expected_ids = append_shared_experts(
+            *softmax_top_k(logits[:, :15], 4, True), 15, num_shared, gate_logits)
+        weights, ids = softmax_top_k_triton(logits[:, :15], 4, True, num_shared, gate_logits)
+        assert ids.shape == (6, 4 + num_shared) and torch.equal(ids.long().cpu(), expected_ids.cpu())
+        torch.testing.assert_close(weights.cpu(), expected_weights.cpu(), rtol=1e-5, atol=1e-6)
 
 
 CHECKS = [
     check_routing_matches_softmax_top_k,
     check_alignment,
     check_matches_torch,
+    check_shared_experts_match_torch,
     check_one_expert_takes_every_token,
     check_ragged_shapes_strides_and_tiles,
     check_out_of_range_ids_contribute_nothing,

@@ -84,6 +84,32 @@ def test_matches_transformers(checkpoint, references, scenario, async_scheduling
     assert_nothing_held(llm)
 
 
+def test_shared_expert_fused_or_not_matches_transformers(checkpoint, references, tmp_path):
+    """A shared expert as wide as a routed one runs as one more fused expert; a wider one stays
+    a separate MLP. Both match transformers (the router and its gate are one GEMM either way)."""
+    from weir.layers.moe import FusedExperts
+
+    llm = LLM(str(checkpoint), device="cpu", dtype="float32")
+    blocks = [layer.mlp for layer in llm.engine.runner.model.model.layers if hasattr(layer.mlp, "experts")]
+    assert blocks and all(block.shared_expert is None and block.experts.num_shared_experts == 1 for block in blocks)
+    assert all(block.experts.gate_up_proj.shape[0] == 9 for block in blocks)  # 8 routed + 1 shared
+
+    wider = make_tiny_qwen3_next(tmp_path / "wider", with_tokenizer=True, shared_expert_intermediate_size=48)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(0, 256) for _ in range(length)] for length in (5, 30)]
+    expected = hf_greedy_in_subprocess(wider, prompts, NUM_TOKENS)
+    llm = LLM(str(wider), device="cpu", dtype="float32")
+    experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedExperts)]
+    assert experts and all(m.num_shared_experts == 0 for m in experts)
+    watch = watch_engine(llm)
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for output, (expected_tokens, expected_logits) in zip(outputs, expected):
+        assert output.outputs[0].token_ids == expected_tokens
+        logits = torch.stack(watch.logits[output.request_id][:NUM_TOKENS])
+        assert ((logits - expected_logits).abs().max() / expected_logits.abs().max()).item() < 1e-4
+
+
 def test_prefix_caching_is_off_and_says_so(checkpoint, references, caplog):
     path = checkpoint
     prompts, expected = references

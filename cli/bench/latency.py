@@ -55,9 +55,11 @@ def _routed_expert_fractions(model: Any, batch_size: int) -> list[tuple[Any, flo
     for module in model.modules():
         experts, top_k = getattr(module, "experts", None), getattr(module, "top_k", None)
         if isinstance(experts, FusedExperts) and isinstance(top_k, int):
-            num_experts = experts.num_experts
+            num_experts, num_shared = experts.num_experts, experts.num_shared_experts
             expected = num_experts * (1 - (1 - min(top_k, num_experts) / num_experts) ** batch_size)
-            fractions += [(param, expected / num_experts) for param in experts.parameters()]
+            # Shared experts, stored after the routed ones, are read by every step.
+            read = (expected + num_shared) / (num_experts + num_shared)
+            fractions += [(param, read) for param in experts.parameters()]
     return fractions
 
 

@@ -17,19 +17,25 @@ PER_EXPERT_PATTERNS: tuple[tuple[str, str, str], ...] = (
 
 
 class FusedExperts(nn.Module):
-    """``gate_up_proj [E, 2I, H]`` (gate rows, then up rows) and ``down_proj [E, H, I]``.
+    """``gate_up_proj [E + S, 2I, H]`` (gate rows, then up rows) and ``down_proj [E + S, H, I]``:
+    ``E = num_experts`` routed experts, then ``S = num_shared_experts`` shared ones.
 
-    Loads from per-expert checkpoint tensors (shards ``gate.e``, ``up.e``, ``down.e``) or from
-    the fused tensors whole. ``forward`` takes routed tokens and calls the context's backend.
+    The routed experts load from per-expert checkpoint tensors (shards ``gate.e``, ``up.e``,
+    ``down.e``) or from the fused tensors whole (``whole_slice``). Shared experts are checkpoint
+    MLPs of the model's own naming: the model loads them as such and copies them in with
+    ``load_shared_expert``. ``forward`` takes router logits and calls the context's backend.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str = "silu"):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str = "silu",
+                 num_shared_experts: int = 0):
         super().__init__()
         self.num_experts = num_experts
+        self.num_shared_experts = num_shared_experts
         self.intermediate_size = intermediate_size
         self.activation = activation
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        total = num_experts + num_shared_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(total, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(total, hidden_size, intermediate_size))
 
     def param_shard_ids(self, attr: str) -> tuple[str, ...]:
         experts = range(self.num_experts)
@@ -41,6 +47,18 @@ class FusedExperts(nn.Module):
         """The per-expert checkpoint name of a shard, relative to this module: ``up.5`` -> ``5.up_proj.weight``."""
         kind, _, expert = shard_id.partition(".")
         return f"{expert}.{kind}_proj.weight"
+
+    def whole_slice(self, attr: str) -> slice:
+        """The part of a parameter that a whole (fused-layout) checkpoint tensor fills: the routed experts."""
+        return slice(0, self.num_experts)
+
+    @torch.no_grad()
+    def load_shared_expert(self, index: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Copy shared expert ``index`` in: ``gate_up [2I, H]`` (gate rows first), ``down [H, I]``."""
+        if not 0 <= index < self.num_shared_experts:
+            raise IndexError(f"shared expert {index} of {self.num_shared_experts}")
+        self.gate_up_proj[self.num_experts + index].copy_(gate_up)
+        self.down_proj[self.num_experts + index].copy_(down)
 
     def shard_slice(self, shard_id: str) -> tuple:
         """Index of shard ``kind.expert`` in its parameter."""
@@ -59,12 +77,15 @@ class FusedExperts(nn.Module):
         top_k: int,
         renormalize: bool,
         ctx: ForwardContext,
-    ) -> torch.Tensor:  # [num_tokens, hidden]
+        shared_gate_logits: torch.Tensor | None = None,  # [num_tokens, num_shared_experts]
+    ) -> torch.Tensor:  # [num_tokens, hidden]: routed experts plus (gated) shared experts
         if ctx.moe_backend is None:
             raise RuntimeError("this model has MoE layers, but the forward context has no MoE backend")
         return ctx.moe_backend.forward(hidden_states, router_logits, self.gate_up_proj, self.down_proj,
-                                       top_k, renormalize, self.activation)
+                                       top_k, renormalize, self.activation, self.num_shared_experts,
+                                       shared_gate_logits)
 
     def extra_repr(self) -> str:
-        num_experts, hidden = self.down_proj.shape[:2]
-        return f"experts={num_experts}, hidden={hidden}, intermediate={self.intermediate_size}"
+        hidden = self.down_proj.shape[1]
+        return (f"experts={self.num_experts}, shared={self.num_shared_experts}, hidden={hidden}, "
+                f"intermediate={self.intermediate_size}")

@@ -12,6 +12,7 @@ state tensors (``weir.runner.linear_state``); a request's slot is zeroed when it
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import time
@@ -60,6 +61,12 @@ class ModelRunner:
         max_model_len = config.scheduler.max_model_len
         self.max_blocks_per_req = math.ceil(max_model_len / self.block_size)
 
+        if self.device.type != "cpu":
+            # An engine dropped in a reference cycle (the runner and its graph runner refer to
+            # each other) holds its device memory until the cyclic collector runs, which the
+            # engine's raised GC thresholds make rare: collect it now, before this engine loads
+            # weights and measures what memory is free.
+            gc.collect()
         start = time.perf_counter()
         self.model = load_model(model_cls, model_config, self.device, iter_checkpoint(model_config))
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())

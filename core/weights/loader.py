@@ -6,7 +6,7 @@ declared as regex rules in ``stacked_param_patterns`` (see ``weir.model_interfac
 parameter (every shard of a fused one) must be written exactly once; anything missing,
 duplicated, unexpected or of the wrong shape is an error naming the checkpoint tensors concerned.
 A sharded parameter may also arrive whole (transformers' fused expert layout), which writes every
-shard. After loading, modules may rearrange their weights (``process_weights_after_loading``).
+shard (into the part its module's ``whole_slice`` names, when it has one). After loading, modules may rearrange their weights (``process_weights_after_loading``).
 
 With ``load_format="dummy"`` the checkpoint is not read at all: the materialised parameters are
 filled with random values in place on the device (``weir.weights.dummy``).
@@ -118,9 +118,11 @@ def _write(model: nn.Module, target: _ParamTarget, param_name: str, shard_id: st
     if shard_id in target.written or (whole_write and target.written):
         raise ValueError(f"checkpoint tensor {checkpoint_name} appears more than once")
     destination = target.parameter.data
+    owner, attr = _owner_and_attr(model, param_name)
     if shard_id is not None:
-        owner, _ = _owner_and_attr(model, param_name)
         destination = destination[owner.shard_slice(shard_id)]
+    elif whole_write and callable(getattr(owner, "whole_slice", None)):
+        destination = destination[owner.whole_slice(attr)]  # e.g. routed experts, not the shared ones
     if tuple(destination.shape) != tuple(tensor.shape):
         raise ValueError(f"checkpoint tensor {checkpoint_name} has shape {tuple(tensor.shape)}, "
                          f"but the model expects {tuple(destination.shape)} for it ({param_name})")
@@ -161,7 +163,7 @@ def load_model(
         fill_dummy_weights(model)
     else:
         _write_checkpoint(model, model_cls, mapper, weights)
-    for module in model.modules():
+    for module in list(model.modules()):  # processing may replace submodules
         materialize = getattr(module, "materialize_buffers", None)
         if callable(materialize):
             materialize(device)

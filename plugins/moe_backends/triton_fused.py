@@ -5,7 +5,7 @@ one grouped GEMM computes ``act(gate) * up`` for every assignment, a second appl
 projection and the routing weight, and a last kernel sums each token's ``top_k`` rows
 (``triton_fused_kernels`` has the details). No step reads the device on the host and every
 grid depends only on the token count, so a decode batch of fixed size can be captured in a
-CUDA graph. Routing (softmax, top-k, renormalisation) is one more kernel
+CUDA graph. Routing (softmax, top-k, renormalisation, shared-expert slots) is one more kernel
 (``triton_routing_kernels``) in place of torch's five.
 """
 
@@ -31,12 +31,14 @@ class TritonMoEBackend(MoEBackend):
 
     def route(
         self,
-        router_logits: torch.Tensor,  # [num_tokens, num_experts]
+        router_logits: torch.Tensor,  # [num_tokens, num_routed_experts]
         top_k: int,
         renormalize: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # weights [num_tokens, top_k] fp32, ids [num_tokens, top_k] int32
-        """The base class's softmax routing, in one fused kernel."""
-        return softmax_top_k_triton(router_logits, top_k, renormalize)
+        num_shared_experts: int = 0,
+        shared_gate_logits: torch.Tensor | None = None,  # [num_tokens, num_shared_experts]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # weights fp32, ids int32: [num_tokens, top_k + num_shared_experts]
+        """The base class's softmax routing and shared-expert slots, in one fused kernel."""
+        return softmax_top_k_triton(router_logits, top_k, renormalize, num_shared_experts, shared_gate_logits)
 
     def experts(
         self,
