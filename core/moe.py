@@ -90,6 +90,8 @@ class MoEBackend(ABC):
         if w_gate_up.shape[0] != num_routed + num_shared_experts:
             raise ValueError(f"expert weights hold {w_gate_up.shape[0]} experts, but the router scores "
                              f"{num_routed} and {num_shared_experts} are shared")
+        if shared_gate_logits is not None and not num_shared_experts:
+            raise ValueError("shared_gate_logits were given, but num_shared_experts is 0")
         if num_shared_experts:
             topk_weights, topk_ids = self.route(router_logits, top_k, renormalize, num_shared_experts,
                                                 shared_gate_logits)
@@ -107,6 +109,8 @@ class MoEBackend(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # weights fp32, integer ids: [num_tokens, top_k + num_shared_experts]
         """``softmax_top_k``, then one slot per shared expert (``append_shared_experts``); a
         backend may compute the same in a fused kernel."""
+        if shared_gate_logits is not None:
+            check_shared_gate_logits(shared_gate_logits, router_logits.shape[0], num_shared_experts)
         topk_weights, topk_ids = softmax_top_k(router_logits, top_k, renormalize)
         if not num_shared_experts:
             return topk_weights, topk_ids

@@ -1,6 +1,6 @@
 """Milliseconds per MoE expert call at Qwen3-Next-80B shapes: torch vs Triton backends, on CUDA.
 
-    python scripts/bench_moe.py [--iters 30] [--tokens 1,16,64] [--sweep] [--shared]
+    python scripts/bench_moe.py [--iters 30] [--tokens 1,16,64] [--sweep] [--sweep-parts] [--shared]
 
 E=512 experts, top_k=10, H=2048, I=512, bf16, random weights and softmax routing. "GB/s" is the
 bytes of the experts a batch touches (distinct ids x 3*H*I*2) over the time: decode is weight
@@ -90,6 +90,29 @@ def sweep(num_tokens: int, batch, weights, iters: int) -> None:
         print(f"    {milliseconds:8.3f} ms {flops / milliseconds / 1e9:6.0f} TFLOP/s  {tiles}{marker}", flush=True)
 
 
+PART_GEMMS = [GemmTiles(block_n, block_k, warps, stages) for block_n, block_k, warps, stages in (
+    (32, 128, 4, 4), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (64, 64, 4, 4), (128, 64, 4, 4),
+    (32, 256, 4, 2), (64, 256, 4, 2), (128, 256, 8, 2), (16, 256, 4, 2), (256, 64, 8, 3), (64, 512, 4, 1))]
+
+
+def sweep_parts(num_tokens: int, batch, weights, iters: int) -> None:
+    """One GEMM's tiles at a time, the other kept at the default: --sweep tries the two only in
+    fixed pairs, so a better tile for one of them alone would go unseen."""
+    default = default_moe_tiles(num_tokens, TOP_K, NUM_EXPERTS, torch.bfloat16)
+    backend = TritonMoEBackend()
+    for part in ("gate_up", "down"):
+        results = []
+        for gemm in PART_GEMMS:
+            backend.tiles = MoETiles(default.block_m, gemm if part == "gate_up" else default.gate_up,
+                                     gemm if part == "down" else default.down)
+            results.append((time_ms(lambda: backend.experts(*batch, *weights), iters, graph=True), gemm))
+        ranked = sorted(results, key=lambda result: result[0])
+        default_gemm = getattr(default, part)
+        default_ms = next(ms for ms, gemm in results if gemm == default_gemm) if default_gemm in PART_GEMMS else None
+        print(f"    {part}: default {default_gemm} {default_ms or float('nan'):.3f} ms; best "
+              + "; ".join(f"{ms:.3f} ms {gemm}" for ms, gemm in ranked[:3]), flush=True)
+
+
 def shared_expert_ways(num_tokens: int, weights, iters: int) -> None:
     """Routed experts plus a sigmoid-gated shared expert of the same width: as a separate MLP
     (router GEMM, fused routing, experts, shared gate/up GEMM, SiLU-and-mul, down GEMM, sigmoid,
@@ -130,6 +153,7 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,16,64,256,512,2048,8192")
     parser.add_argument("--sweep", action="store_true", help="also time other tile sets (slow: compiles)")
     parser.add_argument("--shared", action="store_true", help="only time the two ways to run a shared expert")
+    parser.add_argument("--sweep-parts", action="store_true", help="only sweep each GEMM's tiles alone")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_moe needs a CUDA device")
@@ -144,6 +168,12 @@ def main() -> None:
         with torch.no_grad():
             for num_tokens in (int(value) for value in args.tokens.split(",")):
                 shared_expert_ways(num_tokens, weights, args.iters)
+        return
+    if args.sweep_parts:
+        with torch.no_grad():
+            for num_tokens in (int(value) for value in args.tokens.split(",")):
+                print(f"{num_tokens} tokens", flush=True)
+                sweep_parts(num_tokens, make_batch(num_tokens, seed=num_tokens), weights, args.iters)
         return
     torch_backend, triton_backend = TorchMoEBackend(), TritonMoEBackend()
     print(f"{'tokens':>6} {'experts':>7} {'torch ms':>9} {'triton ms':>10} {'graph ms':>9} {'speedup':>8} "

@@ -81,3 +81,32 @@ def test_bad_arguments_are_errors():
 def test_backend_contract():
     assert issubclass(TorchMoEBackend, MoEBackend)
     assert TorchMoEBackend.supports("cpu") and not TorchMoEBackend.supports("tpu")
+
+
+def test_shared_gate_logits_without_shared_experts_are_an_error():
+    # Gate logits with no shared expert to weight would be dropped without a word.
+    hidden, router_logits, w_gate_up, w_down = _random_moe(5, 8, 4, 3)
+    gate_logits = torch.zeros(5, 1)
+    with pytest.raises(ValueError, match="num_shared_experts is 0"):
+        TorchMoEBackend().forward(hidden, router_logits, w_gate_up, w_down, 2, True, "silu", 0, gate_logits)
+    with pytest.raises(ValueError, match=r"shared_gate_logits must be \[5, 0\]"):
+        TorchMoEBackend().route(router_logits, 2, True, 0, gate_logits)
+
+
+def test_backend_overriding_forward_with_the_older_signature_still_runs_unshared_layers():
+    """Shared-expert arguments reach a backend's forward only for layers that have shared experts."""
+    from types import SimpleNamespace
+
+    from weir.layers.moe import FusedExperts
+
+    class OlderSignature(TorchMoEBackend):
+        def forward(self, hidden, router_logits, w_gate_up, w_down, top_k, renormalize, activation="silu"):
+            return super().forward(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, activation)
+
+    experts = FusedExperts(4, 8, 6)
+    torch.nn.init.normal_(experts.gate_up_proj)
+    torch.nn.init.normal_(experts.down_proj)
+    hidden, router_logits = torch.randn(3, 8), torch.randn(3, 4)
+    output = experts(hidden, router_logits, 2, True, SimpleNamespace(moe_backend=OlderSignature()))
+    expected = TorchMoEBackend().forward(hidden, router_logits, experts.gate_up_proj, experts.down_proj, 2, True)
+    torch.testing.assert_close(output, expected)

@@ -57,6 +57,10 @@ class FusedExperts(nn.Module):
         """Copy shared expert ``index`` in: ``gate_up [2I, H]`` (gate rows first), ``down [H, I]``."""
         if not 0 <= index < self.num_shared_experts:
             raise IndexError(f"shared expert {index} of {self.num_shared_experts}")
+        expected = (tuple(self.gate_up_proj.shape[1:]), tuple(self.down_proj.shape[1:]))
+        if (tuple(gate_up.shape), tuple(down.shape)) != expected:
+            raise ValueError(f"shared expert weights {tuple(gate_up.shape)} and {tuple(down.shape)} do not match "
+                             f"the experts' {expected[0]} and {expected[1]}")
         self.gate_up_proj[self.num_experts + index].copy_(gate_up)
         self.down_proj[self.num_experts + index].copy_(down)
 
@@ -81,9 +85,11 @@ class FusedExperts(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]: routed experts plus (gated) shared experts
         if ctx.moe_backend is None:
             raise RuntimeError("this model has MoE layers, but the forward context has no MoE backend")
+        shared = {}  # only when used: a backend overriding forward before shared experts existed still works
+        if self.num_shared_experts or shared_gate_logits is not None:
+            shared = dict(num_shared_experts=self.num_shared_experts, shared_gate_logits=shared_gate_logits)
         return ctx.moe_backend.forward(hidden_states, router_logits, self.gate_up_proj, self.down_proj,
-                                       top_k, renormalize, self.activation, self.num_shared_experts,
-                                       shared_gate_logits)
+                                       top_k, renormalize, self.activation, **shared)
 
     def extra_repr(self) -> str:
         hidden = self.down_proj.shape[1]
