@@ -4,6 +4,9 @@ Expert weights use the fused transformers 5.x layout (``reference/models.md`` §
 ``w_gate_up [num_experts, 2 * intermediate, hidden]`` with the gate rows first, then the up
 rows, and ``w_down [num_experts, hidden, intermediate]``. Each expert computes
 ``down(act(gate(x)) * up(x))``; a token's output is the routing-weighted sum over its top-k.
+Shared experts as wide as the routed ones may follow them in the same tensors: every token then
+takes them in extra slots after its top-k (``append_shared_experts``), so one grouped-GEMM pass
+computes both.
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
     python3 scripts/roofline_next.py [benchmarks/models/qwen3-next-24l] [--bandwidth 4.3e12] [--peer 5662]
 
+Per decode batch-size bucket it also prints the floor's mean ms per step, to set beside the
+buckets of ``scripts/profile_steps.py`` (where a real run loses its time).
+
 A decode step must read every weight it uses once: the non-expert weights (all but the
 embedding, of which it gathers a few rows), every expert some token of the batch routed to, each
 running request's recurrent state (read and written back) and its KV cache. Routing is taken as
@@ -15,6 +18,7 @@ real engine sits above these times; the ratio measured / floor says how close it
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 from pathlib import Path
 
@@ -24,6 +28,9 @@ import transformers
 from weir.cli.bench.throughput import random_workload
 
 GiB = 2**30
+# The decode buckets of scripts/profile_steps.py (lowest batch size, label).
+BUCKETS = ((192, "decode 192+"), (128, "decode 128-191"), (64, "decode 64-127"), (16, "decode 16-63"),
+           (1, "decode 1-15"))
 
 
 def weight_bytes(model_dir: Path) -> tuple[int, int, int]:
@@ -73,6 +80,7 @@ def main() -> None:
           f"prefill floor {prefill_seconds:.2f} s at {args.tflops:.0f} TFLOP/s")
     for state_name, state_itemsize in (("float32", 4), ("bfloat16", 2)):
         decode_seconds, step_at_full_batch = 0.0, None
+        bucket_seconds, bucket_steps = collections.Counter(), collections.Counter()
         for step in range(max(max_tokens)):
             running = [index for index in range(args.num_prompts) if max_tokens[index] > step]
             batch = len(running)
@@ -81,6 +89,9 @@ def main() -> None:
             step_bytes = (other_bytes + touched / num_experts * expert_bytes
                           + 2 * state_elements * state_itemsize * batch + context_tokens * kv_bytes_per_token)
             decode_seconds += step_bytes / args.bandwidth
+            bucket = next(label for low, label in BUCKETS if batch >= low)
+            bucket_seconds[bucket] += step_bytes / args.bandwidth
+            bucket_steps[bucket] += 1
             if step_at_full_batch is None:
                 step_at_full_batch = step_bytes / args.bandwidth
         total = decode_seconds + prefill_seconds
@@ -89,6 +100,9 @@ def main() -> None:
         print(f"{state_name} state: decode floor {decode_seconds:.2f} s (a batch-{args.num_prompts} step "
               f"{step_at_full_batch * 1e3:.1f} ms), with prefill {total:.2f} s = at most "
               f"{ceiling:,.0f} output tok/s{peer}")
+        per_step = [f"{label} {bucket_steps[label]} steps {bucket_seconds[label] / bucket_steps[label] * 1e3:.2f} ms"
+                    for _, label in BUCKETS if bucket_steps[label]]
+        print("  per step: " + ", ".join(per_step))
 
 
 if __name__ == "__main__":

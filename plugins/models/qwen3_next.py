@@ -141,8 +141,8 @@ class GatedDeltaNet(nn.Module):
 class RouterLinear(MergedLinear):
     """The router's rows (shard ``routed``), the shared expert's gate row (``shared_gate``), then
     zero rows up to a multiple of 8. Without them the ``[T, E + 1]`` output has rows that are not
-    16-byte aligned, which sends cuBLAS to a slow align-1 kernel: 16.7 us per layer at 256
-    tokens on the H200 (scripts/profile_steps.py), against ~6 us for the router alone."""
+    16-byte aligned, which sent cuBLAS to an sm75 align-1 kernel taking 16.7 us per layer at 256
+    tokens on the H200 (scripts/profile_steps.py; the padded GEMM was not timed on its own)."""
 
     def __init__(self, hidden_size: int, num_experts: int):
         padding = -(num_experts + 1) % 8
@@ -163,10 +163,12 @@ class RouterLinear(MergedLinear):
 class SparseMoeBlock(nn.Module):
     """Softmax top-k experts plus a shared expert scaled by ``sigmoid(shared_expert_gate(x))``.
 
-    The router and the shared expert's gate are one GEMM (``RouterLinear``). When the shared expert is as wide as a routed one (as in every released
-    Qwen3-Next), it is copied after loading into the fused experts as one more expert that every
-    token uses, weighted by its gate: the MoE kernels then compute it too, and the dense MLP,
-    the sigmoid, the product and the final sum (six launches per layer) go away.
+    The router and the shared expert's gate are one GEMM (``RouterLinear``). When the shared
+    expert is as wide as a routed one (as in every released Qwen3-Next), it is copied after
+    loading into the fused experts as one more expert that every token uses, weighted by its
+    gate: the MoE kernels then compute it too, and the dense MLP, its gate GEMM, the sigmoid, the
+    product and the final sum go away (559 instead of 703 kernels per decode step of the
+    24-layer model; scripts/profile_steps.py on the H200).
     """
 
     def __init__(self, hf_config: Any):
