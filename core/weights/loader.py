@@ -6,7 +6,8 @@ declared as regex rules in ``stacked_param_patterns`` (see ``weir.model_interfac
 parameter (every shard of a fused one) must be written exactly once; anything missing,
 duplicated, unexpected or of the wrong shape is an error naming the checkpoint tensors concerned.
 A sharded parameter may also arrive whole (transformers' fused expert layout), which writes every
-shard (into the part its module's ``whole_slice`` names, when it has one). After loading, modules may rearrange their weights (``process_weights_after_loading``).
+shard (into the part its module's ``whole_slice`` names, when it has one). After loading, modules
+may rearrange their weights (``process_weights_after_loading``).
 
 With ``load_format="dummy"`` the checkpoint is not read at all: the materialised parameters are
 filled with random values in place on the device (``weir.weights.dummy``).
