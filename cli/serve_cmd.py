@@ -67,6 +67,8 @@ def serve(
                                                  help="on SIGINT/SIGTERM, how long in-flight requests may "
                                                       "run on before they are aborted"),
     uvicorn_log_level: str = typer.Option("info", help="uvicorn's log level (critical ... trace)"),
+    allowed_origins: str = typer.Option("*", help="browser origins allowed to call the API (CORS), "
+                                                  "comma-separated; '*': any"),
     engine_options: dict | None = None,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)."""
@@ -82,7 +84,8 @@ def serve(
                                   max_num_queued_tokens=max_num_queued_tokens,
                                   max_request_body_bytes=max_request_body_bytes,
                                   shutdown_grace_seconds=shutdown_grace_seconds,
-                                  uvicorn_log_level=uvicorn_log_level)
+                                  uvicorn_log_level=uvicorn_log_level,
+                                  allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()))
         sock = _bind(host, port)
         engine = AsyncLLMEngine.from_options(model, **(engine_options or {}))
     except (ValueError, RuntimeError, FileNotFoundError) as error:

@@ -40,6 +40,8 @@ class ModelConfig:
     served_model_name: str
     chat_template: str | None = None  # overrides the tokenizer's own template when set
     load_format: str = "auto"  # "auto" (safetensors or gguf by what is there)
+    # SamplingParams values for fields a request leaves out (the checkpoint's generation_config)
+    sampling_defaults: tuple[tuple[str, float | int], ...] = ()
 
     @property
     def is_gguf(self) -> bool:
@@ -99,6 +101,9 @@ class EngineArgs:
     tokenizer: str | None = field(default=None, metadata=_help("tokenizer folder (default: the model's)"))
     served_model_name: str | None = field(default=None, metadata=_help("model name reported to clients"))
     chat_template: str | None = field(default=None, metadata=_help("Jinja chat template file or string"))
+    generation_config: str = field(default="auto", metadata=_help(
+        "auto: the checkpoint's generation_config.json sampling values (temperature, top_p, top_k, min_p, "
+        "repetition_penalty) are the defaults of requests that set none, as vLLM does; none: Weir's defaults"))
     load_format: str = field(default="auto", metadata=_help(
         "auto: the checkpoint's weights; dummy: random weights, config.json alone suffices (benchmarks)"))
     device: str | None = field(default=None, metadata=_help("platform: cpu, cuda, rocm, xpu (default: detect)"))
@@ -162,6 +167,7 @@ class EngineArgs:
             dtype=dtype, max_model_len=max_model_len, eos_token_ids=files.eos_token_ids,
             served_model_name=self.served_model_name or files.display_name,
             chat_template=chat_template or files.chat_template, load_format=self.load_format,
+            sampling_defaults=files.sampling_defaults if self.generation_config == "auto" else (),
         )
         return EngineConfig(
             model=model_cfg,
@@ -211,6 +217,8 @@ class EngineArgs:
             raise ValueError(f"load_format must be one of {', '.join(_LOAD_FORMATS)}, got {self.load_format!r}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.generation_config not in ("auto", "none"):
+            raise ValueError(f"generation_config must be auto or none, got {self.generation_config!r}")
 
 
 _PATH_OPTIONS = frozenset({"model", "tokenizer", "chat_template"})

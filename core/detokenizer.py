@@ -59,7 +59,8 @@ def _prompt_context(backend: Tokenizer, prompt_token_ids: Sequence[int]) -> list
 
 
 class IncrementalDetokenizer:
-    """Text of one completion, grown token by token, cut at the first stop string."""
+    """Text of one completion, grown token by token, cut at the first stop string (before it, or
+    after it with ``include_stop_str_in_output``)."""
 
     def __init__(self, tokenizer: object, prompt_token_ids: Sequence[int], params: SamplingParams):
         self._backend = backend_tokenizer(tokenizer)
@@ -68,10 +69,12 @@ class IncrementalDetokenizer:
         self._stream = DecodeStream(ids=self._context, skip_special_tokens=params.skip_special_tokens)
         self._num_held = 0  # tokens the stream holds back: the start of a character not yet whole
         self._stop_strings: list[str] = list(params.stop)
+        self._keep_stop = params.include_stop_str_in_output
         # As vLLM: stop strings are not looked for until min_tokens tokens are out.
         self._min_tokens = params.min_tokens
         self._num_tokens = 0
-        self._longest_stop = max((len(stop) for stop in self._stop_strings), default=0)
+        # Text that may yet turn out to start a stop string is held back, unless stop strings stay in.
+        self._longest_stop = 0 if self._keep_stop else max((len(stop) for stop in self._stop_strings), default=0)
         self._text = ""
         self._num_returned_chars = 0  # how much of the text next_delta has handed out
         self.stop_string_hit: str | None = None
@@ -133,7 +136,7 @@ class IncrementalDetokenizer:
             if start != -1 and start < earliest_start:
                 earliest_start, earliest_stop = start, stop
         if earliest_stop is not None:
-            self._text = self._text[:earliest_start]
+            self._text = self._text[:earliest_start + (len(earliest_stop) if self._keep_stop else 0)]
             self.stop_string_hit = earliest_stop
 
     def visible_text(self, finished: bool) -> str:

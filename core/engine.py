@@ -159,7 +159,8 @@ class LLMEngine:
                     final_only: bool = False) -> None:
         """Queue a request. ``final_only``: ``step()`` reports it only once it has finished (what
         offline generation needs; building every step's cumulative output is host work)."""
-        params = params or SamplingParams()
+        # As vLLM: a request without parameters samples as the checkpoint's generation_config says.
+        params = params or SamplingParams(**dict(self.model_config.sampling_defaults))
         child_ids = [request_id] if params.n == 1 else [f"{request_id}-{index}" for index in range(params.n)]
         taken = [i for i in [request_id, *child_ids] if i in self._parents or i in self._child_of]
         if taken:
@@ -270,11 +271,17 @@ class LLMEngine:
         if entry is None:
             return None  # aborted meanwhile
         parent, child = entry
-        for token_id in update.new_token_ids:
+        request = update.request
+        shown_ids, output_ids = update.new_token_ids, request.output_token_ids
+        stopped_on_token = request.status == RequestStatus.FINISHED_STOPPED and not isinstance(request.stop_reason, str)
+        if stopped_on_token and shown_ids and not request.sampling_params.include_stop_str_in_output:
+            # As vLLM: the EOS or stop token that ended the completion stays in token_ids, not in the text.
+            shown_ids, output_ids = shown_ids[:-1], output_ids[:-1]
+        for token_id in shown_ids:
             child.detokenizer.append(token_id)
-        if update.request.is_finished:
+        if request.is_finished:
             # A character the last tokens left unfinished still shows.
-            child.detokenizer.finish(update.request.output_token_ids)
+            child.detokenizer.finish(output_ids)
         for ids, values, rank in update.new_logprobs:
             entry_logprobs = {}
             for position, (token_id, value) in enumerate(zip(ids, values)):
@@ -285,7 +292,6 @@ class LLMEngine:
             child.logprobs.append(entry_logprobs)
             child.cumulative_logprob += values[0]
         stop = child.detokenizer.stop_string_hit
-        request = update.request
         if stop is not None and not request.is_finished:
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
         elif stop is not None and request.status == RequestStatus.FINISHED_LENGTH:

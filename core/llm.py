@@ -55,9 +55,9 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     @staticmethod
-    def _params_per_prompt(sampling_params, num_prompts: int) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [SamplingParams()] * num_prompts
+    def _params_per_prompt(sampling_params, num_prompts: int) -> list[SamplingParams | None]:
+        if sampling_params is None:  # the engine's defaults: the checkpoint's generation_config values
+            return [None] * num_prompts
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num_prompts
         if len(sampling_params) != num_prompts:

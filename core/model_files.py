@@ -23,6 +23,8 @@ class ModelFiles:
     architecture: str  # e.g. "LlamaForCausalLM"
     eos_token_ids: tuple[int, ...]
     chat_template: str | None  # a template shipped beside the weights but outside the tokenizer
+    # generation_config.json's sampling values (temperature, top_p, ...), as vLLM reads them
+    sampling_defaults: tuple[tuple[str, float | int], ...] = ()
 
 
 def resolve_model_files(model: str | None, tokenizer: str | None) -> ModelFiles:
@@ -50,6 +52,7 @@ def resolve_model_files(model: str | None, tokenizer: str | None) -> ModelFiles:
         display_name=model, weights_path=weights_path, tokenizer_path=tokenizer_path,
         hf_config=hf_config, architecture=_architecture(hf_config, weights_path),
         eos_token_ids=eos_ids, chat_template=_side_chat_template(weights_path, tokenizer_path),
+        sampling_defaults=_generation_config_sampling(weights_path),
     )
 
 
@@ -181,6 +184,29 @@ def _generation_config_eos(weights_path: Path) -> list[int]:
     if not weights_path.is_dir() or not file.is_file():
         return []
     return _as_id_list(read_json_object(file).get("eos_token_id"), f"eos_token_id in {file}")
+
+
+# generation_config.json key -> SamplingParams field: the values vLLM applies by default.
+GENERATION_CONFIG_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                              "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
+
+
+def _generation_config_sampling(weights_path: Path) -> tuple[tuple[str, float | int], ...]:
+    """The sampling values a checkpoint recommends, for requests that set none (vLLM's
+    ``--generation-config auto``); each checked as SamplingParams checks it, naming the file."""
+    from weir.sampling_params import SamplingParams
+
+    file = weights_path / "generation_config.json"
+    if not weights_path.is_dir() or not file.is_file():
+        return ()
+    values = read_json_object(file)
+    defaults = {field: values[key] for key, field in GENERATION_CONFIG_SAMPLING.items()
+                if values.get(key) is not None}
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{file}: {error}") from None
+    return tuple(defaults.items())
 
 
 def _tokenizer_eos(tokenizer_path: Path, weights_path: Path) -> list[int]:

@@ -61,6 +61,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # As vLLM: the text leaves out the stop string or stop token that ended it, unless this is set.
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -69,6 +71,7 @@ class SamplingParams:
         self._check_stops()
         self.ignore_eos = _check_bool("ignore_eos", self.ignore_eos)
         self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
+        self.include_stop_str_in_output = _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
 
     def _check_counts(self) -> None:
         if _check_int("n", self.n) < 1:

@@ -9,6 +9,8 @@ import logging
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -97,6 +99,10 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> Starlette:
         await engine.shutdown(grace_seconds=0.0)
         state.close()
 
-    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error}, lifespan=lifespan)
+    # Browser clients send a preflight OPTIONS first; without CORS headers they cannot call at all.
+    cors = Middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
+                      allow_headers=["*"])
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error}, lifespan=lifespan,
+                    middleware=[cors])
     app.state.weir = state
     return app

@@ -21,17 +21,21 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     state.check_model(chat.model)
     chat.check_supported()
     try:
-        params = chat.to_sampling_params()
+        params = chat.to_sampling_params(state.sampling_defaults)
     except ValueError as error:
         renamed = {"logprobs": "top_logprobs"}
         if chat.max_completion_tokens is not None:
             renamed["max_tokens"] = "max_completion_tokens"
         raise from_value_error(error, renamed=renamed) from error
     messages = [message.as_template_message(index) for index, message in enumerate(chat.messages)]
-    prompt_token_ids = await state.render_chat(messages, chat.add_generation_prompt)
+    prompt_token_ids = await state.render_chat(messages, chat.add_generation_prompt, chat.continue_final_message,
+                                               chat.template_kwargs())
     header = ResponseHeader(new_request_id("chatcmpl"), "chat.completion", state.served_model_name,
                             state.system_fingerprint)
-    generation = await state.start(prompt_token_ids, None, params, header.request_id, "messages")
+    explicit_max = ("max_completion_tokens" if chat.max_completion_tokens is not None
+                    else "max_tokens" if chat.max_tokens is not None else None)
+    generation = await state.start(prompt_token_ids, None, params, header.request_id, "messages",
+                                   max_tokens_param=explicit_max)
     if chat.stream:
         header.object = "chat.completion.chunk"
         events = _events(chat, header, generation, state.token_bytes)
@@ -57,6 +61,7 @@ def _response_body(chat: ChatCompletionRequest, header: ResponseHeader, output: 
         "message": {"role": "assistant", "content": completion.text, "refusal": None},
         "logprobs": _logprobs(chat, completion, 0, token_bytes),
         "finish_reason": finish_reason(completion),
+        "stop_reason": completion.stop_reason,
     } for completion in output.outputs]
     num_generated = sum(len(completion.token_ids) for completion in output.outputs)
     return header.body(choices, usage=usage(len(output.prompt_token_ids), num_generated))
@@ -66,9 +71,10 @@ async def _events(chat: ChatCompletionRequest, header: ResponseHeader, generatio
                   token_bytes: TokenBytes):
     extra = {"usage": None} if chat.include_usage else {}
 
-    def chunk(index: int, delta: dict, logprobs: dict | None = None, reason: str | None = None) -> bytes:
+    def chunk(index: int, delta: dict, logprobs: dict | None = None, reason: str | None = None,
+              stop_reason: int | str | None = None) -> bytes:
         return sse_event(header.body([{"index": index, "delta": delta, "logprobs": logprobs,
-                                       "finish_reason": reason}], **extra))
+                                       "finish_reason": reason, "stop_reason": stop_reason}], **extra))
 
     num_choices = chat.n
     sent_text, sent_tokens, done = [""] * num_choices, [0] * num_choices, [False] * num_choices
@@ -89,7 +95,7 @@ async def _events(chat: ChatCompletionRequest, header: ResponseHeader, generatio
                     sent_text[index], sent_tokens[index] = completion.text, num_tokens
                 if completion.finish_reason is not None:
                     done[index] = True
-                    yield chunk(index, {}, reason=finish_reason(completion))
+                    yield chunk(index, {}, reason=finish_reason(completion), stop_reason=completion.stop_reason)
         if chat.include_usage and output is not None:
             num_generated = sum(len(completion.token_ids) for completion in output.outputs)
             yield sse_event(header.body([], usage=usage(len(output.prompt_token_ids), num_generated)))

@@ -23,13 +23,14 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     state.check_model(body.model)
     body.check_supported()
     try:
-        params = body.to_sampling_params()
+        params = body.to_sampling_params(state.sampling_defaults)
     except ValueError as error:
         raise from_value_error(error) from error
     prompts = [await _tokenized(state, prompt, body.echo) for prompt in body.prompts()]
     header = ResponseHeader(new_request_id("cmpl"), "text_completion", state.served_model_name,
                             state.system_fingerprint)
-    generations = await state.start_all(prompts, params, header.request_id, "prompt")
+    generations = await state.start_all(prompts, params, header.request_id, "prompt",
+                                        max_tokens_param="max_tokens" if body.max_tokens is not None else None)
     echoes = [(text or "") if body.echo else "" for _, text in prompts]
 
     def close_all() -> None:
@@ -63,7 +64,7 @@ async def _tokenized(state: ServerState, prompt: str | list[int], echo: bool) ->
 def _choice(body: CompletionRequest, prompt_index: int, completion: CompletionOutput, text: str,
             logprobs: dict | None, reason: str | None) -> dict:
     return {"index": prompt_index * body.n + completion.index, "text": text, "logprobs": logprobs,
-            "finish_reason": reason}
+            "finish_reason": reason, "stop_reason": completion.stop_reason if reason is not None else None}
 
 
 def _logprobs(body: CompletionRequest, completion: CompletionOutput, start: int,

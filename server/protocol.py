@@ -17,6 +17,10 @@ from weir.server.errors import bad_request, unsupported
 # OpenAI's limit: each choice is a sequence the engine schedules, so one request must not be able
 # to queue an unbounded number of them ahead of everyone else.
 MAX_N = 128
+# What apply_chat_template is called with by the server itself; a request may not override it.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "documents", "chat_template",
+                                      "add_generation_prompt", "continue_final_message", "tokenize",
+                                      "return_dict", "return_tensors", "tokenizer_kwargs"})
 
 
 class _Strict(BaseModel):
@@ -25,6 +29,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class ContentPart(_Strict):
@@ -46,13 +51,32 @@ class ChatMessage(_Strict):
                     raise unsupported(f"messages.{index}.content.{part_index}.type",
                                       f"content part type {part.type!r} (only 'text')")
                 texts.append(part.text)
-            content = "".join(texts)
+            content = "\n".join(texts)  # as vLLM joins text parts
         else:
             content = self.content or ""
         message = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
         return message
+
+
+# vLLM extensions that change what is generated or returned; Weir has none of them yet, so a
+# request asking for one is refused rather than answered as if it had been honoured.
+UNSUPPORTED_VLLM_FIELDS = {
+    "structured_outputs": "structured outputs",
+    "guided_json": "guided decoding", "guided_regex": "guided decoding", "guided_choice": "guided decoding",
+    "guided_grammar": "guided decoding", "guided_decoding_backend": "guided decoding",
+    "allowed_token_ids": "allowed_token_ids",
+    "bad_words": "bad_words",
+    "prompt_logprobs": "prompt_logprobs",
+    "truncate_prompt_tokens": "truncate_prompt_tokens",
+    "return_token_ids": "return_token_ids",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids",
+    "logits_processors": "logits_processors",
+    "documents": "documents (RAG templates)",
+    "mm_processor_kwargs": "multimodal inputs",
+    "vllm_xargs": "vllm_xargs",
+}
 
 
 class _SamplingRequest(_Strict):
@@ -79,31 +103,40 @@ class _SamplingRequest(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
     def check_common(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED_VLLM_FIELDS and value not in (None, False, [], {}):
+                raise unsupported(name, UNSUPPORTED_VLLM_FIELDS[name])
         if self.n > MAX_N:
             raise bad_request(f"n must be <= {MAX_N}, got {self.n}", param="n")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise unsupported("stream_options.continuous_usage_stats", "continuous_usage_stats")
         if self.logit_bias:
             raise unsupported("logit_bias", "logit_bias")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError naming the field when a value is out of range."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: dict[str, Any]) -> SamplingParams:
+        """Raises ValueError naming the field when a value is out of range. ``defaults`` (the
+        model's generation_config values) fill the sampling fields the request left out."""
         optional = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
         }
+        chosen = {name: value if value is not None else defaults.get(name) for name, value in optional.items()}
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, stop=self.stop, seed=self.seed, min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids or [], logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
-            **{name: value for name, value in optional.items() if value is not None},
+            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
+            **{name: value for name, value in chosen.items() if value is not None},
         )
 
 
@@ -113,6 +146,8 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the reply continues the last (assistant) message
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. enable_thinking
     # Accepted so clients that send them work; only their "off" values are supported.
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
@@ -126,7 +161,15 @@ class ChatCompletionRequest(_SamplingRequest):
     store: bool | None = None
     metadata: dict | None = None
     service_tier: str | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: str | None = None  # handed to the chat template (templates that read it use it)
+    echo: bool | None = None  # vLLM's: refused unless false
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Variables for the chat template beyond the messages."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        return kwargs
 
     def check_supported(self) -> None:
         self.check_common()
@@ -144,16 +187,30 @@ class ChatCompletionRequest(_SamplingRequest):
         for name in ("audio", "prediction"):
             if getattr(self, name) is not None:
                 raise unsupported(name, name)
+        reserved = sorted(set(self.chat_template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)} (the server sets it)",
+                              param="chat_template_kwargs")
+        if self.echo:
+            raise unsupported("echo", "echo on chat completions")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise bad_request("continue_final_message needs add_generation_prompt set to false (a new "
+                                  "assistant turn cannot also continue the last message)",
+                                  param="continue_final_message")
+            if self.messages and self.messages[-1].role != "assistant":
+                raise bad_request("continue_final_message needs the last message to be the assistant's",
+                                  param="continue_final_message")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             raise bad_request(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", param="top_logprobs")
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         # Chat's default is "as long as the context allows" (the engine clamps None to that).
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(max_tokens, logprobs)
+        return self.sampling_params(max_tokens, logprobs, defaults)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -173,6 +230,10 @@ class CompletionRequest(_SamplingRequest):
             raise unsupported("best_of", f"best_of={self.best_of} other than n")
         if self.echo and self.logprobs is not None:
             raise unsupported("echo", "echo together with logprobs (it needs prompt logprobs)")
+        response_format = (self.model_extra or {}).get("response_format")
+        if response_format is not None and (not isinstance(response_format, dict)
+                                            or response_format.get("type") != "text"):
+            raise unsupported("response_format", f"response_format {response_format!r}")
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids."""
@@ -182,8 +243,8 @@ class CompletionRequest(_SamplingRequest):
             return [list(self.prompt)]
         return list(self.prompt)
 
-    def to_sampling_params(self) -> SamplingParams:
-        return self.sampling_params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+    def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+        return self.sampling_params(16 if self.max_tokens is None else self.max_tokens, self.logprobs, defaults)
 
 
 class TokenizeRequest(_Strict):

@@ -21,6 +21,8 @@ class ServerSettings:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     shutdown_grace_seconds: float = DEFAULT_SHUTDOWN_GRACE_SECONDS
     uvicorn_log_level: str = "info"
+    # Browser origins allowed to call the API (CORS); vLLM's default lets any origin in too.
+    allowed_origins: tuple[str, ...] = ("*",)
 
     def __post_init__(self) -> None:
         for name in ("max_num_queued_reqs", "max_num_queued_tokens", "max_request_body_bytes"):
@@ -29,5 +31,7 @@ class ServerSettings:
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise ValueError(f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, "
                              f"got {self.uvicorn_log_level!r}")
+        if isinstance(self.allowed_origins, str) or not all(isinstance(o, str) for o in self.allowed_origins):
+            raise ValueError(f"allowed_origins must be a sequence of origins, got {self.allowed_origins!r}")
         if self.shutdown_grace_seconds < 0:
             raise ValueError(f"shutdown_grace_seconds must be >= 0, got {self.shutdown_grace_seconds}")

@@ -31,6 +31,7 @@ class ServerState:
         self.served_model_name = config.model.served_model_name
         self.max_model_len = config.scheduler.max_model_len
         self.chat_template = config.model.chat_template
+        self.sampling_defaults = dict(config.model.sampling_defaults)
         self.tokenizer = self.engine.engine.tokenizer
         self.token_bytes = TokenBytes(self.tokenizer)
         self.version = __version__
@@ -53,10 +54,12 @@ class ServerState:
             raise APIError(404, f"The model '{name}' does not exist; this server serves "
                                 f"'{self.served_model_name}'", param="model", code="model_not_found")
 
-    async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                          continue_final_message: bool = False,
+                          template_kwargs: dict | None = None) -> list[int]:
         try:
             return await self._off_loop(apply_chat_template, self.tokenizer, messages, self.chat_template,
-                                        add_generation_prompt)
+                                        add_generation_prompt, continue_final_message, template_kwargs)
         except ValueError as error:
             raise bad_request(str(error), param="messages") from error
         except Exception as error:  # a Jinja error names what in the template broke
@@ -79,9 +82,12 @@ class ServerState:
         return self.tokenizer.decode(token_ids)
 
     async def start(self, prompt_token_ids: list[int], prompt_text: str | None, params,
-                    request_id: str, param: str) -> Generation:
+                    request_id: str, param: str, max_tokens_param: str | None = None) -> Generation:
         """Admit one prompt and hand it to the engine: 503 over the limits, 400 for a prompt
-        the engine refuses (too long for the context, ...), naming ``param``."""
+        the engine refuses (too long for the context, ...), naming ``param``. A ``max_tokens``
+        the request set itself (``max_tokens_param`` names its field) must fit beside the prompt:
+        as vLLM, that is a 400 rather than a completion quietly cut short."""
+        self._check_context(len(prompt_token_ids), params.max_tokens, max_tokens_param)
         ticket = self.admission.admit(len(prompt_token_ids))
         record = self.metrics.new_request(len(prompt_token_ids))
         try:
@@ -98,14 +104,26 @@ class ServerState:
             raise
         return Generation(stream, ticket, record, self.metrics)
 
+    def _check_context(self, num_prompt_tokens: int, max_tokens: int | None, max_tokens_param: str | None) -> None:
+        if max_tokens_param is None or max_tokens is None or num_prompt_tokens >= self.max_model_len:
+            return  # a prompt too long on its own is the engine's error, naming both numbers
+        if num_prompt_tokens + max_tokens > self.max_model_len:
+            raise bad_request(
+                f"'{max_tokens_param}' is too large: {max_tokens}. This model's maximum context length is "
+                f"{self.max_model_len} tokens and your request has {num_prompt_tokens} input tokens "
+                f"({max_tokens} > {self.max_model_len} - {num_prompt_tokens})",
+                param=max_tokens_param, code="context_length_exceeded")
+
     async def start_all(self, prompts: list[tuple[list[int], str | None]], params, base_id: str,
-                        param: str) -> list[Generation]:
+                        param: str, max_tokens_param: str | None = None) -> list[Generation]:
         """``start`` each prompt; if one fails, the ones already started are aborted."""
+        for token_ids, _ in prompts:  # before any starts: nothing to abort on this error
+            self._check_context(len(token_ids), params.max_tokens, max_tokens_param)
         generations: list[Generation] = []
         try:
             for index, (token_ids, text) in enumerate(prompts):
                 request_id = base_id if len(prompts) == 1 else f"{base_id}-{index}"
-                generations.append(await self.start(token_ids, text, params, request_id, param))
+                generations.append(await self.start(token_ids, text, params, request_id, param, max_tokens_param))
         except BaseException:
             for generation in generations:
                 generation.close()

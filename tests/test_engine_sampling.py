@@ -162,3 +162,25 @@ def test_n_completions_share_one_prompt(tiny_llm):
     assert len({tuple(c.token_ids) for c in first.outputs}) > 1
     assert all(len(c.token_ids) == 10 and c.finish_reason == "length" for c in first.outputs)
     assert_nothing_held(tiny_llm)
+
+
+def test_the_stop_token_or_string_is_left_out_of_the_text_unless_asked_for(tiny_llm):
+    """As vLLM: token_ids keep the token that ended the completion, the text does not; with
+    include_stop_str_in_output the text keeps the stop token's text or the stop string."""
+    tokenizer = tiny_llm.engine.tokenizer
+    greedy = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    tokens = generate_one(tiny_llm, SamplingParams(**greedy)).token_ids
+    stop_token = tokens[4]
+    first = tokens.index(stop_token)
+    stopped = generate_one(tiny_llm, SamplingParams(**greedy, stop_token_ids=[stop_token]))
+    assert stopped.token_ids == tokens[:first + 1] and stopped.stop_reason == stop_token
+    assert stopped.text == tokenizer.decode(tokens[:first])
+    kept = generate_one(tiny_llm, SamplingParams(**greedy, stop_token_ids=[stop_token],
+                                                 include_stop_str_in_output=True))
+    assert kept.text == tokenizer.decode(tokens[:first + 1])
+    full_text = tokenizer.decode(tokens)
+    stop = full_text[5:7]
+    cut = full_text.index(stop)
+    with_stop = generate_one(tiny_llm, SamplingParams(**greedy, stop=[stop], include_stop_str_in_output=True))
+    assert with_stop.text == full_text[:cut + len(stop)] and with_stop.stop_reason == stop
+    assert generate_one(tiny_llm, SamplingParams(**greedy, stop=[stop])).text == full_text[:cut]

@@ -62,6 +62,30 @@ def test_eos_ids_merge_generation_config_config_and_tokenizer(llama_folder, tmp_
     assert files.eos_token_ids == (300, TINY_EOS_ID, TINY_PAD_ID)
 
 
+def test_generation_config_sampling_values_become_request_defaults(llama_folder, tmp_path):
+    """As vLLM's --generation-config auto: requests without sampling parameters sample as the
+    checkpoint recommends; generation_config="none" keeps Weir's own defaults."""
+    from weir import LLM
+
+    folder = _copy_checkpoint(llama_folder, tmp_path / "ckpt")
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_k": 1, "top_p": None, "max_length": 20}))
+    assert resolve_model_files(str(folder), None).sampling_defaults == (("temperature", 0.6), ("top_k", 1))
+    llm = LLM(str(folder), device="cpu", max_model_len=64)
+    # top_k=1 from the file makes every unseeded completion the greedy one.
+    outputs = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 4, use_tqdm=False)
+    assert len({tuple(output.outputs[0].token_ids) for output in outputs}) == 1
+    plain = LLM(str(folder), device="cpu", max_model_len=64, generation_config="none")
+    assert plain.engine.model_config.sampling_defaults == ()
+
+
+def test_generation_config_sampling_value_out_of_range_names_the_file(llama_folder, tmp_path):
+    folder = _copy_checkpoint(llama_folder, tmp_path / "ckpt")
+    (folder / "generation_config.json").write_text(json.dumps({"top_p": 1.5}))
+    with pytest.raises(ValueError, match=r"generation_config\.json: top_p must be in \(0, 1\]"):
+        resolve_model_files(str(folder), None)
+
+
 def test_missing_architectures_are_derived_from_model_type(llama_folder, tmp_path):
     folder = _copy_checkpoint(llama_folder, tmp_path / "ckpt")
     _edit_json(folder / "config.json", architectures=None)

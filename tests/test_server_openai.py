@@ -141,11 +141,23 @@ def test_completions_stream_usage(client):
     assert all(chunk.usage is None for chunk in chunks[:-1])
 
 
-def test_max_tokens_past_the_context_is_clamped(client):
-    completion = client.completions.create(model=SERVED_NAME, prompt="abc", max_tokens=100000,
+def test_max_tokens_past_the_context_is_an_error_naming_both_lengths(client):
+    """As vLLM: a completion that cannot fit is refused, not quietly cut short; without a
+    max_tokens, chat runs up to the context's end."""
+    for create, field, extra in ((client.completions.create, "max_tokens", {"prompt": "abc"}),
+                                 (client.chat.completions.create, "max_completion_tokens",
+                                  {"messages": [{"role": "user", "content": "abc"}]})):
+        with pytest.raises(openai.BadRequestError) as caught:
+            create(model=SERVED_NAME, **{field: 254}, **extra)
+        error = caught.value.body
+        assert error["code"] == "context_length_exceeded" and error["param"] == field
+        assert "maximum context length is 256 tokens" in error["message"] and "254 >" in error["message"]
+    completion = client.completions.create(model=SERVED_NAME, prompt="abc", max_tokens=253,
                                            extra_body={"ignore_eos": True})
-    assert completion.choices[0].finish_reason == "length"
     assert completion.usage.prompt_tokens + completion.usage.completion_tokens == 256
+    chat = client.chat.completions.create(model=SERVED_NAME, messages=[{"role": "user", "content": "abc"}],
+                                          extra_body={"ignore_eos": True})
+    assert chat.choices[0].finish_reason == "length" and chat.usage.total_tokens == 256
 
 
 def test_tokenize_detokenize_health_version(server):

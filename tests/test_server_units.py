@@ -61,12 +61,16 @@ def test_chat_sampling_params_follow_openai_defaults():
     chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9,
                                                  "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 3})
     chat.check_supported()
-    params = chat.to_sampling_params()
+    params = chat.to_sampling_params({})
     assert (params.max_tokens, params.logprobs, params.temperature) == (5, 3, 1.0)
     unbounded = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
-    assert unbounded.to_sampling_params().max_tokens is None  # the engine clamps to the context
+    assert unbounded.to_sampling_params({}).max_tokens is None  # the engine clamps to the context
     completion = CompletionRequest.model_validate({"prompt": [[1, 2], [3]], "top_k": -1})
-    assert completion.prompts() == [[1, 2], [3]] and completion.to_sampling_params().max_tokens == 16
+    assert completion.prompts() == [[1, 2], [3]] and completion.to_sampling_params({}).max_tokens == 16
+    # The model's generation_config fills what the request left out, and only that.
+    defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    params = CompletionRequest.model_validate({"prompt": "hi", "top_k": -1}).to_sampling_params(defaults)
+    assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.95, 0)
 
 
 def test_logprob_shapes(tiny_llama_path):
