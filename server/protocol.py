@@ -111,7 +111,8 @@ class _SamplingRequest(_Strict):
 
     def check_common(self) -> None:
         for name, value in (self.model_extra or {}).items():
-            if name in UNSUPPORTED_VLLM_FIELDS and value not in (None, False, [], {}):
+            asked = not (value is None or value is False or (isinstance(value, (list, dict)) and not value))
+            if name in UNSUPPORTED_VLLM_FIELDS and asked:  # prompt_logprobs=0 still asks for them
                 raise unsupported(name, UNSUPPORTED_VLLM_FIELDS[name])
         if self.n > MAX_N:
             raise bad_request(f"n must be <= {MAX_N}, got {self.n}", param="n")

@@ -81,7 +81,7 @@ BAD_REQUESTS = [
     ("suffix", COMPLETIONS_PATH, completion(suffix="end"), AUTH, 400, "suffix", "not supported"),
     # vLLM extensions Weir does not have: refused, not answered as if honoured.
     ("guided-choice", CHAT_PATH, chat(guided_choice=["a", "b"]), AUTH, 400, "guided_choice", "not supported"),
-    ("prompt-logprobs", COMPLETIONS_PATH, completion(prompt_logprobs=1), AUTH, 400, "prompt_logprobs",
+    ("prompt-logprobs", COMPLETIONS_PATH, completion(prompt_logprobs=0), AUTH, 400, "prompt_logprobs",
      "not supported"),
     ("allowed-token-ids", COMPLETIONS_PATH, completion(allowed_token_ids=[1]), AUTH, 400, "allowed_token_ids",
      "not supported"),
