@@ -69,6 +69,10 @@ def serve(
     uvicorn_log_level: str = typer.Option("info", help="uvicorn's log level (critical ... trace)"),
     allowed_origins: str = typer.Option("*", help="browser origins allowed to call the API (CORS), "
                                                   "comma-separated; '*': any"),
+    enable_auto_tool_choice: bool = typer.Option(False, help="serve tool_choice 'auto': parse the model's tool "
+                                                             "calls into tool_calls (needs --tool-call-parser)"),
+    tool_call_parser: str | None = typer.Option(None, help="the model's tool-call format: hermes (Qwen, "
+                                                          "NousResearch: <tool_call>{json}</tool_call>)"),
     engine_options: dict | None = None,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)."""
@@ -85,7 +89,8 @@ def serve(
                                   max_request_body_bytes=max_request_body_bytes,
                                   shutdown_grace_seconds=shutdown_grace_seconds,
                                   uvicorn_log_level=uvicorn_log_level,
-                                  allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()))
+                                  allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
+                                  enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
         sock = _bind(host, port)
         engine = AsyncLLMEngine.from_options(model, **(engine_options or {}))
     except (ValueError, RuntimeError, FileNotFoundError) as error:

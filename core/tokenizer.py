@@ -31,9 +31,11 @@ def start_loading_tokenizer(model_config: Any, pool: Executor) -> Future:
 
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], chat_template: str | None,
                         add_generation_prompt: bool = True, continue_final_message: bool = False,
-                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """Render ``messages`` with the override template (or the tokenizer's own) into token ids;
-    ``template_kwargs`` are extra template variables (``enable_thinking`` for Qwen3, ...)."""
+                        template_kwargs: dict[str, Any] | None = None,
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Render ``messages`` (and the ``tools`` the model may call) with the override template (or
+    the tokenizer's own) into token ids; ``template_kwargs`` are extra template variables
+    (``enable_thinking`` for Qwen3, ...)."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("the model has no chat template, so chat requests cannot be rendered; pass "
                          "one with --chat-template FILE (a Jinja template), or use plain completions")
@@ -44,7 +46,7 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], chat_tem
     try:
         text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message,
+                                             continue_final_message=continue_final_message, tools=tools,
                                              **(template_kwargs or {}))
     except jinja2.TemplateError as error:  # raise_exception(...) in the template, or a syntax error
         raise ValueError(f"the chat template cannot render these messages: {error}") from error

@@ -14,12 +14,14 @@ from weir.server.protocol import ChatCompletionRequest
 from weir.server.shapes import ResponseHeader, engine_error, finish_reason, usage
 from weir.server.state import ServerState, new_request_id
 from weir.server.streaming import DONE_EVENT, EventStreamResponse, final_outputs, sse_event
+from weir.server.tool_calls import ToolCallStream, parse_tool_calls
 
 
 async def create_chat_completion(request: Request, state: ServerState) -> Response:
     chat = parse(ChatCompletionRequest, await read_json(request, state.settings.max_request_body_bytes))
     state.check_model(chat.model)
-    chat.check_supported()
+    settings = state.settings
+    chat.check_supported(settings.tool_call_parser if settings.enable_auto_tool_choice else None)
     try:
         params = chat.to_sampling_params(state.sampling_defaults)
     except ValueError as error:
@@ -29,7 +31,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         raise from_value_error(error, renamed=renamed) from error
     messages = [message.as_template_message(index) for index, message in enumerate(chat.messages)]
     prompt_token_ids = await state.render_chat(messages, chat.add_generation_prompt, chat.continue_final_message,
-                                               chat.template_kwargs())
+                                               chat.template_kwargs(), chat.tools)
     header = ResponseHeader(new_request_id("chatcmpl"), "chat.completion", state.served_model_name,
                             state.system_fingerprint)
     explicit_max = ("max_completion_tokens" if chat.max_completion_tokens is not None
@@ -54,15 +56,31 @@ def _logprobs(chat: ChatCompletionRequest, completion: CompletionOutput, start: 
     return {"content": content, "refusal": None}
 
 
+def _choice_reason(completion: CompletionOutput, called_tools: bool) -> str | None:
+    """OpenAI's reason, ``tool_calls`` when the model stopped after calling tools."""
+    reason = finish_reason(completion)
+    return "tool_calls" if called_tools and reason == "stop" else reason
+
+
+def _message(chat: ChatCompletionRequest, completion: CompletionOutput) -> dict:
+    if not chat.parses_tool_calls:
+        return {"role": "assistant", "content": completion.text, "refusal": None}
+    content, calls = parse_tool_calls(completion.text)
+    return {"role": "assistant", "content": content, "refusal": None, "tool_calls": calls}
+
+
 def _response_body(chat: ChatCompletionRequest, header: ResponseHeader, output: RequestOutput,
                    token_bytes: TokenBytes) -> dict:
-    choices = [{
-        "index": completion.index,
-        "message": {"role": "assistant", "content": completion.text, "refusal": None},
-        "logprobs": _logprobs(chat, completion, 0, token_bytes),
-        "finish_reason": finish_reason(completion),
-        "stop_reason": completion.stop_reason,
-    } for completion in output.outputs]
+    choices = []
+    for completion in output.outputs:
+        message = _message(chat, completion)
+        choices.append({
+            "index": completion.index,
+            "message": message,
+            "logprobs": _logprobs(chat, completion, 0, token_bytes),
+            "finish_reason": _choice_reason(completion, bool(message.get("tool_calls"))),
+            "stop_reason": completion.stop_reason,
+        })
     num_generated = sum(len(completion.token_ids) for completion in output.outputs)
     return header.body(choices, usage=usage(len(output.prompt_token_ids), num_generated))
 
@@ -78,6 +96,7 @@ async def _events(chat: ChatCompletionRequest, header: ResponseHeader, generatio
 
     num_choices = chat.n
     sent_text, sent_tokens, done = [""] * num_choices, [0] * num_choices, [False] * num_choices
+    tool_streams = [ToolCallStream() for _ in range(num_choices)] if chat.parses_tool_calls else None
     try:
         for index in range(num_choices):
             yield chunk(index, {"role": "assistant", "content": ""})
@@ -87,15 +106,22 @@ async def _events(chat: ChatCompletionRequest, header: ResponseHeader, generatio
                 index = completion.index
                 if done[index]:
                     continue
+                finished = completion.finish_reason is not None
                 delta_text = completion.text[len(sent_text[index]):]
+                delta = {"content": delta_text}
+                if tool_streams is not None:  # content outside call blocks, then each call whole
+                    content, calls = tool_streams[index].feed(delta_text, finished)
+                    delta = {"content": content, **({"tool_calls": calls} if calls else {})}
                 num_tokens = len(completion.token_ids)
-                if delta_text or (chat.logprobs and num_tokens > sent_tokens[index]):
+                if delta["content"] or "tool_calls" in delta or (chat.logprobs and num_tokens > sent_tokens[index]):
                     logprobs = _logprobs(chat, completion, sent_tokens[index], token_bytes)
-                    yield chunk(index, {"content": delta_text}, logprobs)
-                    sent_text[index], sent_tokens[index] = completion.text, num_tokens
-                if completion.finish_reason is not None:
+                    yield chunk(index, delta, logprobs)
+                sent_text[index], sent_tokens[index] = completion.text, num_tokens
+                if finished:
                     done[index] = True
-                    yield chunk(index, {}, reason=finish_reason(completion), stop_reason=completion.stop_reason)
+                    called = tool_streams is not None and tool_streams[index].num_calls > 0
+                    yield chunk(index, {}, reason=_choice_reason(completion, called),
+                                stop_reason=completion.stop_reason)
         if chat.include_usage and output is not None:
             num_generated = sum(len(completion.token_ids) for completion in output.outputs)
             yield sse_event(header.body([], usage=usage(len(output.prompt_token_ids), num_generated)))

@@ -2,7 +2,8 @@
 
 Strict types: ``"0.5"`` is not a temperature and ``1`` is not ``true``, as with OpenAI. Fields
 this server does not know are ignored (as vLLM does) and logged; known fields whose feature is
-not supported (tools, logit_bias, ...) are answered with a 400 naming them.
+not supported (logit_bias, guided decoding, ...) are answered with a 400 naming them. Tools are
+served with ``--enable-auto-tool-choice --tool-call-parser hermes`` (``weir.server.tool_calls``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, rendered by the template
+    tool_call_id: str | None = None  # a tool turn's answer to that call
 
     def as_template_message(self, index: int) -> dict[str, Any]:
         """``{"role", "content"}`` with text parts joined; other part types are refused."""
@@ -55,8 +58,9 @@ class ChatMessage(_Strict):
         else:
             content = self.content or ""
         message = {"role": "system" if self.role == "developer" else self.role, "content": content}
-        if self.name is not None:
-            message["name"] = self.name
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
         return message
 
 
@@ -149,9 +153,9 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the reply continues the last (assistant) message
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. enable_thinking
+    tools: list[dict] | None = None  # rendered by the chat template; calls parsed with tool_choice "auto"
+    tool_choice: str | dict | None = None  # "auto" (the default with tools) or "none"; others need guided decoding
     # Accepted so clients that send them work; only their "off" values are supported.
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
     functions: list[dict] | None = None
     function_call: str | dict | None = None
     parallel_tool_calls: bool | None = None
@@ -172,15 +176,28 @@ class ChatCompletionRequest(_SamplingRequest):
             kwargs.setdefault("reasoning_effort", self.reasoning_effort)
         return kwargs
 
-    def check_supported(self) -> None:
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Whether the reply's text is parsed for tool calls (tools given, tool_choice "auto")."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
+
+    def check_supported(self, tool_call_parser: str | None = None) -> None:
+        """``tool_call_parser``: the server's, when it serves tool_choice "auto" (else None)."""
         self.check_common()
         if not self.messages:
             raise bad_request("messages must hold at least one message", param="messages")
-        if self.tools or self.functions:
-            raise unsupported("tools" if self.tools else "functions", "tool calling")
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                raise unsupported(name, f"{name}={getattr(self, name)!r}")
+        if self.functions or self.function_call not in (None, "none"):
+            raise unsupported("functions" if self.functions else "function_call",
+                              "the legacy functions API (use tools)")
+        if self.tools is not None and not all(isinstance(tool, dict) and tool.get("type") == "function"
+                                              and isinstance(tool.get("function"), dict) for tool in self.tools):
+            raise bad_request("every tool must be {\"type\": \"function\", \"function\": {...}}", param="tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise unsupported("tool_choice", f"tool_choice={self.tool_choice!r} (it needs guided decoding; "
+                                             f"'auto' and 'none' are served)")
+        if self.parses_tool_calls and tool_call_parser is None:
+            raise unsupported("tools", "tool calling on this server (start it with --enable-auto-tool-choice "
+                                       "--tool-call-parser hermes), or send tool_choice 'none'")
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise unsupported("response_format", f"response_format {self.response_format.get('type')!r}")
         if self.modalities not in (None, ["text"]):

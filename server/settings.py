@@ -23,6 +23,9 @@ class ServerSettings:
     uvicorn_log_level: str = "info"
     # Browser origins allowed to call the API (CORS); vLLM's default lets any origin in too.
     allowed_origins: tuple[str, ...] = ("*",)
+    # Tool calling (vLLM's flags): the model's tool-call format, and whether tool_choice "auto" is served.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_queued_reqs", "max_num_queued_tokens", "max_request_body_bytes"):
@@ -33,5 +36,11 @@ class ServerSettings:
                              f"got {self.uvicorn_log_level!r}")
         if isinstance(self.allowed_origins, str) or not all(isinstance(o, str) for o in self.allowed_origins):
             raise ValueError(f"allowed_origins must be a sequence of origins, got {self.allowed_origins!r}")
+        from weir.server.tool_calls import PARSERS
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser hermes)")
         if self.shutdown_grace_seconds < 0:
             raise ValueError(f"shutdown_grace_seconds must be >= 0, got {self.shutdown_grace_seconds}")

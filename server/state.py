@@ -55,11 +55,11 @@ class ServerState:
                                 f"'{self.served_model_name}'", param="model", code="model_not_found")
 
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                          continue_final_message: bool = False,
-                          template_kwargs: dict | None = None) -> list[int]:
+                          continue_final_message: bool = False, template_kwargs: dict | None = None,
+                          tools: list[dict] | None = None) -> list[int]:
         try:
             return await self._off_loop(apply_chat_template, self.tokenizer, messages, self.chat_template,
-                                        add_generation_prompt, continue_final_message, template_kwargs)
+                                        add_generation_prompt, continue_final_message, template_kwargs, tools)
         except ValueError as error:
             raise bad_request(str(error), param="messages") from error
         except Exception as error:  # a Jinja error names what in the template broke

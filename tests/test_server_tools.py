@@ -1,0 +1,115 @@
+"""Tool calling over HTTP (``--enable-auto-tool-choice --tool-call-parser hermes``), through the
+openai client: the template gets the tools, and a reply in Hermes format (``<tool_call>{json}
+</tool_call>``) comes back as ``tool_calls``, whole or streamed. The tiny model's output is
+scripted by replacing its logits, so the reply is known."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+import torch
+
+from helpers_models import TINY_EOS_ID
+from server_inprocess import serve_in_thread
+from weir.server.settings import ServerSettings
+from weir.server.tool_calls import ToolCallStream, parse_tool_calls
+
+TEMPLATE = ("{% if tools %}TOOLS{{ tools | length }}|{% endif %}{% for m in messages %}<{{ m['role'] }}>"
+            "{% if m['tool_calls'] %}{{ m['tool_calls'] | tojson }}{% endif %}{{ m['content'] or '' }}{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"city": {"type": "string"}}}}}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+REPLY = "Sure.\n" + CALL
+
+
+class ScriptedReply:
+    """Makes the model write ``text`` (one byte per token with the tiny tokenizer), then EOS."""
+
+    def __init__(self, engine):
+        self.model = engine.runner.model
+        self.original = self.model.compute_logits
+        self.tokens: list[int] = []
+        self.model.compute_logits = self.compute_logits
+
+    def say(self, text: str) -> None:
+        self.tokens = list(text.encode()) + [TINY_EOS_ID]
+
+    def compute_logits(self, hidden):
+        logits = self.original(hidden)
+        forced = torch.full_like(logits, -1e4)
+        forced[:, self.tokens.pop(0) if self.tokens else TINY_EOS_ID] = 1e4
+        return forced
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama_path):
+    settings = ServerSettings(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    with serve_in_thread(tiny_llama_path, settings, chat_template=TEMPLATE, max_num_seqs=1) as (port, engine, _):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        yield client, ScriptedReply(engine.engine)
+
+
+def test_a_tool_call_comes_back_as_tool_calls(served):
+    client, script = served
+    script.say(REPLY)
+    response = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "weather?"}],
+                                              tools=TOOLS, temperature=0, max_tokens=200)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert response.usage.prompt_tokens == len("TOOLS1|<user>weather?<assistant>")
+
+
+def test_a_streamed_tool_call_arrives_whole_with_its_index(served):
+    client, script = served
+    script.say(REPLY)
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "weather?"}],
+                                            tools=TOOLS, temperature=0, max_tokens=200, stream=True)
+    content, calls, reasons = "", [], []
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        calls += delta.tool_calls or []
+        reasons.append(chunk.choices[0].finish_reason)
+    assert content.strip() == "Sure." and "<tool_call" not in content
+    assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == \
+        [(0, "get_weather", {"city": "Paris"})]
+    assert reasons[-1] == "tool_calls"
+
+
+def test_tool_choice_none_leaves_the_text_alone_and_a_tool_turn_renders(served):
+    client, script = served
+    script.say(REPLY)
+    response = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "weather?"}],
+                                              tools=TOOLS, tool_choice="none", temperature=0, max_tokens=200)
+    assert response.choices[0].message.content == REPLY and not response.choices[0].message.tool_calls
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    script.say("Sunny.")
+    follow_up = client.chat.completions.create(
+        model="tiny", tools=TOOLS, temperature=0, max_tokens=20,
+        messages=[{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
+    assert follow_up.choices[0].message.content == "Sunny." and follow_up.choices[0].finish_reason == "stop"
+    assert follow_up.usage.prompt_tokens == len(f"TOOLS1|<user>weather?<assistant>{json.dumps([call])}"
+                                                f"<tool>sunny<assistant>")
+
+
+def test_parser_keeps_what_is_not_a_call():
+    assert parse_tool_calls("plain text") == ("plain text", [])
+    assert parse_tool_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    content, calls = parse_tool_calls('a <tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call> b')
+    assert content == "a  b" and calls[0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    stream = ToolCallStream()
+    pieces = [stream.feed(piece) for piece in ("hi <tool", "_call>{\"name\": \"f\"}</tool", "_call> <tool_ca")]
+    assert [piece[0] for piece in pieces] == ["hi ", "", " "]  # tags split across deltas are held back
+    assert pieces[0][1] == pieces[1][1] == [] and [(c["index"], c["function"]["name"]) for c in pieces[2][1]] == \
+        [(0, "f")]
+    assert stream.feed("", finished=True) == ("<tool_ca", [])  # an unfinished tag is text after all
+    unclosed = ToolCallStream()
+    assert unclosed.feed('<tool_call>{"name"', finished=True) == ('<tool_call>{"name"', [])
