@@ -73,6 +73,8 @@ def serve(
                                                              "calls into tool_calls (needs --tool-call-parser)"),
     tool_call_parser: str | None = typer.Option(None, help="the model's tool-call format: hermes (Qwen, "
                                                           "NousResearch: <tool_call>{json}</tool_call>)"),
+    reasoning_parser: str | None = typer.Option(None, help="qwen3: a reply's <think>...</think> part goes to "
+                                                          "the message's reasoning_content"),
     engine_options: dict | None = None,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)."""
@@ -90,7 +92,8 @@ def serve(
                                   shutdown_grace_seconds=shutdown_grace_seconds,
                                   uvicorn_log_level=uvicorn_log_level,
                                   allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
-                                  enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
+                                  enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+                                  reasoning_parser=reasoning_parser)
         sock = _bind(host, port)
         engine = AsyncLLMEngine.from_options(model, **(engine_options or {}))
     except (ValueError, RuntimeError, FileNotFoundError) as error:

@@ -14,6 +14,7 @@ from weir.server.protocol import ChatCompletionRequest
 from weir.server.shapes import ResponseHeader, engine_error, finish_reason, usage
 from weir.server.state import ServerState, new_request_id
 from weir.server.streaming import DONE_EVENT, EventStreamResponse, final_outputs, sse_event
+from weir.server.reasoning import ReasoningStream, parse_reasoning
 from weir.server.tool_calls import ToolCallStream, parse_tool_calls
 
 
@@ -40,10 +41,10 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
                                    max_tokens_param=explicit_max)
     if chat.stream:
         header.object = "chat.completion.chunk"
-        events = _events(chat, header, generation, state.token_bytes)
+        events = _events(chat, header, generation, state.token_bytes, settings.reasoning_parser)
         return EventStreamResponse(events, on_close=generation.close)
     output = await final_outputs(request.receive, generation.final(), generation.close)
-    return JSONResponse(_response_body(chat, header, output, state.token_bytes))
+    return JSONResponse(_response_body(chat, header, output, state.token_bytes, settings.reasoning_parser))
 
 
 def _logprobs(chat: ChatCompletionRequest, completion: CompletionOutput, start: int,
@@ -62,18 +63,49 @@ def _choice_reason(completion: CompletionOutput, called_tools: bool) -> str | No
     return "tool_calls" if called_tools and reason == "stop" else reason
 
 
-def _message(chat: ChatCompletionRequest, completion: CompletionOutput) -> dict:
-    if not chat.parses_tool_calls:
-        return {"role": "assistant", "content": completion.text, "refusal": None}
-    content, calls = parse_tool_calls(completion.text)
-    return {"role": "assistant", "content": content, "refusal": None, "tool_calls": calls}
+def _message(chat: ChatCompletionRequest, completion: CompletionOutput, reasoning_parser: str | None) -> dict:
+    """The assistant message: reasoning, content and tool calls, as the server is set up to split them."""
+    content = completion.text
+    message = {"role": "assistant", "content": content, "refusal": None}
+    if reasoning_parser is not None:
+        message["reasoning_content"], content = parse_reasoning(content)
+        message["content"] = content
+    if chat.parses_tool_calls:
+        message["content"], message["tool_calls"] = parse_tool_calls(content or "")
+    return message
+
+
+class _ReplySplitter:
+    """One streamed choice's text split as ``_message`` splits a whole one: reasoning first, then
+    content, with tool calls taken out of the content."""
+
+    def __init__(self, chat: ChatCompletionRequest, reasoning_parser: str | None):
+        self.reasoning = ReasoningStream() if reasoning_parser is not None else None
+        self.tools = ToolCallStream() if chat.parses_tool_calls else None
+
+    @property
+    def called_tools(self) -> bool:
+        return self.tools is not None and self.tools.num_calls > 0
+
+    def feed(self, text: str, finished: bool) -> dict:
+        """The delta to send for ``text`` (``content`` always present, possibly "")."""
+        reasoning, content = self.reasoning.feed(text, finished) if self.reasoning else ("", text)
+        calls = []
+        if self.tools is not None:
+            content, calls = self.tools.feed(content, finished)
+        delta = {"content": content}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
 
 
 def _response_body(chat: ChatCompletionRequest, header: ResponseHeader, output: RequestOutput,
-                   token_bytes: TokenBytes) -> dict:
+                   token_bytes: TokenBytes, reasoning_parser: str | None) -> dict:
     choices = []
     for completion in output.outputs:
-        message = _message(chat, completion)
+        message = _message(chat, completion, reasoning_parser)
         choices.append({
             "index": completion.index,
             "message": message,
@@ -86,7 +118,7 @@ def _response_body(chat: ChatCompletionRequest, header: ResponseHeader, output: 
 
 
 async def _events(chat: ChatCompletionRequest, header: ResponseHeader, generation: Generation,
-                  token_bytes: TokenBytes):
+                  token_bytes: TokenBytes, reasoning_parser: str | None):
     extra = {"usage": None} if chat.include_usage else {}
 
     def chunk(index: int, delta: dict, logprobs: dict | None = None, reason: str | None = None,
@@ -96,7 +128,7 @@ async def _events(chat: ChatCompletionRequest, header: ResponseHeader, generatio
 
     num_choices = chat.n
     sent_text, sent_tokens, done = [""] * num_choices, [0] * num_choices, [False] * num_choices
-    tool_streams = [ToolCallStream() for _ in range(num_choices)] if chat.parses_tool_calls else None
+    splitters = [_ReplySplitter(chat, reasoning_parser) for _ in range(num_choices)]
     try:
         for index in range(num_choices):
             yield chunk(index, {"role": "assistant", "content": ""})
@@ -107,20 +139,15 @@ async def _events(chat: ChatCompletionRequest, header: ResponseHeader, generatio
                 if done[index]:
                     continue
                 finished = completion.finish_reason is not None
-                delta_text = completion.text[len(sent_text[index]):]
-                delta = {"content": delta_text}
-                if tool_streams is not None:  # content outside call blocks, then each call whole
-                    content, calls = tool_streams[index].feed(delta_text, finished)
-                    delta = {"content": content, **({"tool_calls": calls} if calls else {})}
+                delta = splitters[index].feed(completion.text[len(sent_text[index]):], finished)
                 num_tokens = len(completion.token_ids)
-                if delta["content"] or "tool_calls" in delta or (chat.logprobs and num_tokens > sent_tokens[index]):
+                if delta["content"] or len(delta) > 1 or (chat.logprobs and num_tokens > sent_tokens[index]):
                     logprobs = _logprobs(chat, completion, sent_tokens[index], token_bytes)
                     yield chunk(index, delta, logprobs)
                 sent_text[index], sent_tokens[index] = completion.text, num_tokens
                 if finished:
                     done[index] = True
-                    called = tool_streams is not None and tool_streams[index].num_calls > 0
-                    yield chunk(index, {}, reason=_choice_reason(completion, called),
+                    yield chunk(index, {}, reason=_choice_reason(completion, splitters[index].called_tools),
                                 stop_reason=completion.stop_reason)
         if chat.include_usage and output is not None:
             num_generated = sum(len(completion.token_ids) for completion in output.outputs)

@@ -26,6 +26,7 @@ class ServerSettings:
     # Tool calling (vLLM's flags): the model's tool-call format, and whether tool_choice "auto" is served.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None  # "qwen3": <think>...</think> goes to reasoning_content
 
     def __post_init__(self) -> None:
         for name in ("max_num_queued_reqs", "max_num_queued_tokens", "max_request_body_bytes"):
@@ -36,7 +37,12 @@ class ServerSettings:
                              f"got {self.uvicorn_log_level!r}")
         if isinstance(self.allowed_origins, str) or not all(isinstance(o, str) for o in self.allowed_origins):
             raise ValueError(f"allowed_origins must be a sequence of origins, got {self.allowed_origins!r}")
+        from weir.server import reasoning
         from weir.server.tool_calls import PARSERS
+
+        if self.reasoning_parser is not None and self.reasoning_parser not in reasoning.PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(reasoning.PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
 
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")

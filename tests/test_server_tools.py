@@ -1,7 +1,8 @@
-"""Tool calling over HTTP (``--enable-auto-tool-choice --tool-call-parser hermes``), through the
-openai client: the template gets the tools, and a reply in Hermes format (``<tool_call>{json}
-</tool_call>``) comes back as ``tool_calls``, whole or streamed. The tiny model's output is
-scripted by replacing its logits, so the reply is known."""
+"""Tool calling and reasoning over HTTP (``--enable-auto-tool-choice --tool-call-parser hermes
+--reasoning-parser qwen3``), through the openai client: the template gets the tools, a reply in
+Hermes format (``<tool_call>{json}</tool_call>``) comes back as ``tool_calls`` and its
+``<think>...</think>`` part as ``reasoning_content``, whole or streamed. The tiny model's output
+is scripted by replacing its logits, so the reply is known."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from helpers_models import TINY_EOS_ID
 from server_inprocess import serve_in_thread
+from weir.server.reasoning import ReasoningStream, parse_reasoning
 from weir.server.settings import ServerSettings
 from weir.server.tool_calls import ToolCallStream, parse_tool_calls
 
@@ -47,7 +49,7 @@ class ScriptedReply:
 
 @pytest.fixture(scope="module")
 def served(tiny_llama_path):
-    settings = ServerSettings(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    settings = ServerSettings(enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3")
     with serve_in_thread(tiny_llama_path, settings, chat_template=TEMPLATE, max_num_seqs=1) as (port, engine, _):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
         yield client, ScriptedReply(engine.engine)
@@ -113,3 +115,51 @@ def test_parser_keeps_what_is_not_a_call():
     assert stream.feed("", finished=True) == ("<tool_ca", [])  # an unfinished tag is text after all
     unclosed = ToolCallStream()
     assert unclosed.feed('<tool_call>{"name"', finished=True) == ('<tool_call>{"name"', [])
+
+
+def stream_parts(client, **request) -> tuple[str, str, list, str]:
+    """(reasoning, content, tool call deltas, last finish reason) of a streamed chat completion."""
+    reasoning, content, calls, reason = "", "", [], None
+    for chunk in client.chat.completions.create(model="tiny", temperature=0, max_tokens=200, stream=True, **request):
+        delta = chunk.choices[0].delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        content += delta.content or ""
+        calls += delta.tool_calls or []
+        reason = chunk.choices[0].finish_reason or reason
+    return reasoning, content, calls, reason
+
+
+def test_thinking_goes_to_reasoning_content(served):
+    client, script = served
+    messages = [{"role": "user", "content": "hi"}]
+    for reply, reasoning, content in (("<think>\nplan\n</think>\n\nHello", "\nplan\n", "\n\nHello"),
+                                      ("Hello", None, "Hello"), ("<think>cut off", "cut off", None)):
+        script.say(reply)
+        message = client.chat.completions.create(model="tiny", messages=messages, temperature=0,
+                                                 max_tokens=200).choices[0].message
+        assert (getattr(message, "reasoning_content", None), message.content) == (reasoning, content)
+        script.say(reply)
+        assert stream_parts(client, messages=messages)[:2] == (reasoning or "", content or "")
+
+
+def test_reasoning_then_a_tool_call(served):
+    client, script = served
+    reply = "<think>need weather</think>" + CALL
+    script.say(reply)
+    choice = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "weather?"}],
+                                            tools=TOOLS, temperature=0, max_tokens=200).choices[0]
+    assert choice.message.reasoning_content == "need weather" and choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls[0].function.name == "get_weather"
+    script.say(reply)
+    reasoning, content, calls, reason = stream_parts(client, messages=[{"role": "user", "content": "weather?"}],
+                                                     tools=TOOLS)
+    assert (reasoning, content, [c.function.name for c in calls], reason) == \
+        ("need weather", "", ["get_weather"], "tool_calls")
+
+
+def test_reasoning_parser_holds_back_split_tags():
+    assert parse_reasoning("  <think>a</think>b") == ("a", "b") and parse_reasoning("") == (None, None)
+    stream = ReasoningStream()
+    pieces = [stream.feed(piece) for piece in ("\n<th", "ink>ab</th", "ink>c")]
+    assert pieces == [("", ""), ("ab", ""), ("", "c")]
+    assert ReasoningStream().feed("<thi", finished=True) == ("", "<thi")  # never a tag: content
