@@ -103,7 +103,8 @@ class EngineArgs:
     chat_template: str | None = field(default=None, metadata=_help("Jinja chat template file or string"))
     generation_config: str = field(default="auto", metadata=_help(
         "auto: the checkpoint's generation_config.json sampling values (temperature, top_p, top_k, min_p, "
-        "repetition_penalty) are the defaults of requests that set none, as vLLM does; none: Weir's defaults"))
+        "repetition_penalty) are the defaults of requests that set none, as vLLM does; a folder: its "
+        "generation_config.json instead; none (or vllm): Weir's own defaults"))
     load_format: str = field(default="auto", metadata=_help(
         "auto: the checkpoint's weights; dummy: random weights, config.json alone suffices (benchmarks)"))
     device: str | None = field(default=None, metadata=_help("platform: cpu, cuda, rocm, xpu (default: detect)"))
@@ -143,6 +144,14 @@ class EngineArgs:
                             f"known: {', '.join(sorted(cls.field_names()))}")
         return cls(model=model, **options)
 
+    def _sampling_defaults(self, weights_path: Path) -> tuple[tuple[str, float | int], ...]:
+        from weir.model_files import generation_config_sampling
+
+        if self.generation_config in ("none", "vllm"):  # vllm: vLLM's spelling of "ignore the file"
+            return ()
+        folder = weights_path if self.generation_config == "auto" else Path(self.generation_config)
+        return generation_config_sampling(folder)
+
     def create_config(self, platform_device_type: str = "cpu") -> EngineConfig:
         from weir.model_files import resolve_model_files
         from weir.tokenizer import load_chat_template
@@ -167,7 +176,7 @@ class EngineArgs:
             dtype=dtype, max_model_len=max_model_len, eos_token_ids=files.eos_token_ids,
             served_model_name=self.served_model_name or files.display_name,
             chat_template=chat_template or files.chat_template, load_format=self.load_format,
-            sampling_defaults=files.sampling_defaults if self.generation_config == "auto" else (),
+            sampling_defaults=self._sampling_defaults(files.weights_path),
         )
         return EngineConfig(
             model=model_cfg,
@@ -217,11 +226,12 @@ class EngineArgs:
             raise ValueError(f"load_format must be one of {', '.join(_LOAD_FORMATS)}, got {self.load_format!r}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
-        if self.generation_config not in ("auto", "none"):
-            raise ValueError(f"generation_config must be auto or none, got {self.generation_config!r}")
+        if self.generation_config not in ("auto", "none", "vllm") and not os.path.isdir(self.generation_config):
+            raise ValueError(f"generation_config must be auto, none (or vllm) or a folder holding a "
+                             f"generation_config.json, got {self.generation_config!r}")
 
 
-_PATH_OPTIONS = frozenset({"model", "tokenizer", "chat_template"})
+_PATH_OPTIONS = frozenset({"model", "tokenizer", "chat_template", "generation_config"})
 
 
 def _as_kind(kind: str, value: Any, paths_allowed: bool) -> Any:

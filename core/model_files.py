@@ -7,11 +7,14 @@ once into the cache by ``weir.default_model``. Everything else must already be o
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from weir import default_model
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -23,8 +26,6 @@ class ModelFiles:
     architecture: str  # e.g. "LlamaForCausalLM"
     eos_token_ids: tuple[int, ...]
     chat_template: str | None  # a template shipped beside the weights but outside the tokenizer
-    # generation_config.json's sampling values (temperature, top_p, ...), as vLLM reads them
-    sampling_defaults: tuple[tuple[str, float | int], ...] = ()
 
 
 def resolve_model_files(model: str | None, tokenizer: str | None) -> ModelFiles:
@@ -52,7 +53,6 @@ def resolve_model_files(model: str | None, tokenizer: str | None) -> ModelFiles:
         display_name=model, weights_path=weights_path, tokenizer_path=tokenizer_path,
         hf_config=hf_config, architecture=_architecture(hf_config, weights_path),
         eos_token_ids=eos_ids, chat_template=_side_chat_template(weights_path, tokenizer_path),
-        sampling_defaults=_generation_config_sampling(weights_path),
     )
 
 
@@ -191,22 +191,29 @@ GENERATION_CONFIG_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "t
                               "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
 
 
-def _generation_config_sampling(weights_path: Path) -> tuple[tuple[str, float | int], ...]:
-    """The sampling values a checkpoint recommends, for requests that set none (vLLM's
-    ``--generation-config auto``); each checked as SamplingParams checks it, naming the file."""
+def generation_config_sampling(folder: Path) -> tuple[tuple[str, float | int], ...]:
+    """The sampling values ``folder/generation_config.json`` recommends, as (SamplingParams field,
+    value) pairs (none when there is no such file). A value SamplingParams would refuse (a string,
+    ``top_p: 0`` beside ``do_sample: false``) is skipped with a warning naming the file: the file
+    is advice, and transformers loads such checkpoints."""
     from weir.sampling_params import SamplingParams
 
-    file = weights_path / "generation_config.json"
-    if not weights_path.is_dir() or not file.is_file():
+    file = folder / "generation_config.json"
+    if not folder.is_dir() or not file.is_file():
         return ()
     values = read_json_object(file)
-    defaults = {field: values[key] for key, field in GENERATION_CONFIG_SAMPLING.items()
-                if values.get(key) is not None}
-    try:
-        SamplingParams(**defaults)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"{file}: {error}") from None
-    return tuple(defaults.items())
+    defaults = []
+    for key, field_name in GENERATION_CONFIG_SAMPLING.items():
+        value = values.get(key)
+        if value is None:
+            continue
+        try:
+            SamplingParams(**{field_name: value})
+        except (TypeError, ValueError) as error:
+            logger.warning("%s: %s is not used as a sampling default (%s)", file, key, error)
+            continue
+        defaults.append((field_name, value))
+    return tuple(defaults)
 
 
 def _tokenizer_eos(tokenizer_path: Path, weights_path: Path) -> list[int]:

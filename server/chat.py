@@ -71,7 +71,8 @@ def _message(chat: ChatCompletionRequest, completion: CompletionOutput, reasonin
         message["reasoning_content"], content = parse_reasoning(content)
         message["content"] = content
     if chat.parses_tool_calls:
-        message["content"], message["tool_calls"] = parse_tool_calls(content or "")
+        message["content"], calls = parse_tool_calls(content or "")
+        message["tool_calls"] = calls if chat.parallel_tool_calls is not False else calls[:1]  # as vLLM
     return message
 
 
@@ -82,6 +83,7 @@ class _ReplySplitter:
     def __init__(self, chat: ChatCompletionRequest, reasoning_parser: str | None):
         self.reasoning = ReasoningStream() if reasoning_parser is not None else None
         self.tools = ToolCallStream() if chat.parses_tool_calls else None
+        self.max_calls = 1 if chat.parallel_tool_calls is False else None
 
     @property
     def called_tools(self) -> bool:
@@ -93,6 +95,7 @@ class _ReplySplitter:
         calls = []
         if self.tools is not None:
             content, calls = self.tools.feed(content, finished)
+            calls = [call for call in calls if self.max_calls is None or call["index"] < self.max_calls]
         delta = {"content": content}
         if reasoning:
             delta["reasoning_content"] = reasoning

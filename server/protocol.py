@@ -8,6 +8,7 @@ served with ``--enable-auto-tool-choice --tool-call-parser hermes`` (``weir.serv
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -58,10 +59,28 @@ class ChatMessage(_Strict):
         else:
             content = self.content or ""
         message = {"role": "system" if self.role == "developer" else self.role, "content": content}
-        for key in ("name", "tool_calls", "tool_call_id"):
+        for key in ("name", "tool_call_id"):
             if getattr(self, key) is not None:
                 message[key] = getattr(self, key)
+        if self.tool_calls is not None:
+            message["tool_calls"] = [_arguments_as_object(call) for call in self.tool_calls]
         return message
+
+
+def _arguments_as_object(tool_call: dict[str, Any]) -> dict[str, Any]:
+    """A call whose ``function.arguments`` is a JSON string, with them as an object, as vLLM hands
+    them to templates: Qwen2.5, Hermes and Llama 3.1 templates render ``arguments | tojson``, which
+    would encode a string a second time."""
+    function = tool_call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return tool_call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return tool_call
+    if not isinstance(arguments, dict):
+        return tool_call
+    return {**tool_call, "function": {**function, "arguments": arguments}}
 
 
 # vLLM extensions that change what is generated or returned; Weir has none of them yet, so a
@@ -69,7 +88,7 @@ class ChatMessage(_Strict):
 UNSUPPORTED_VLLM_FIELDS = {
     "structured_outputs": "structured outputs",
     "guided_json": "guided decoding", "guided_regex": "guided decoding", "guided_choice": "guided decoding",
-    "guided_grammar": "guided decoding", "guided_decoding_backend": "guided decoding",
+    "guided_grammar": "guided decoding",
     "allowed_token_ids": "allowed_token_ids",
     "bad_words": "bad_words",
     "prompt_logprobs": "prompt_logprobs",
@@ -170,11 +189,7 @@ class ChatCompletionRequest(_SamplingRequest):
     echo: bool | None = None  # vLLM's: refused unless false
 
     def template_kwargs(self) -> dict[str, Any]:
-        """Variables for the chat template beyond the messages."""
-        kwargs = dict(self.chat_template_kwargs or {})
-        if self.reasoning_effort is not None:
-            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
-        return kwargs
+        return template_kwargs(self.chat_template_kwargs, self.reasoning_effort)
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -205,20 +220,9 @@ class ChatCompletionRequest(_SamplingRequest):
         for name in ("audio", "prediction"):
             if getattr(self, name) is not None:
                 raise unsupported(name, name)
-        reserved = sorted(set(self.chat_template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
-        if reserved:
-            raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)} (the server sets it)",
-                              param="chat_template_kwargs")
+        check_template_options(self)
         if self.echo:
             raise unsupported("echo", "echo on chat completions")
-        if self.continue_final_message:
-            if self.add_generation_prompt:
-                raise bad_request("continue_final_message needs add_generation_prompt set to false (a new "
-                                  "assistant turn cannot also continue the last message)",
-                                  param="continue_final_message")
-            if self.messages and self.messages[-1].role != "assistant":
-                raise bad_request("continue_final_message needs the last message to be the assistant's",
-                                  param="continue_final_message")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
@@ -266,13 +270,47 @@ class CompletionRequest(_SamplingRequest):
 
 
 class TokenizeRequest(_Strict):
+    """``prompt`` as completions encode it, or ``messages`` (and the chat options that change their
+    rendering) exactly as chat completions render them."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    tools: list[dict] | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        return template_kwargs(self.chat_template_kwargs, self.reasoning_effort)
 
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[int]
+
+
+def template_kwargs(chat_template_kwargs: dict[str, Any] | None, reasoning_effort: str | None) -> dict[str, Any]:
+    """Variables for the chat template beyond the messages."""
+    kwargs = dict(chat_template_kwargs or {})
+    if reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", reasoning_effort)
+    return kwargs
+
+
+def check_template_options(request: ChatCompletionRequest | TokenizeRequest) -> None:
+    """The checks vLLM makes of the options that change how messages render."""
+    reserved = sorted(set(request.chat_template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)} (the server sets it)",
+                          param="chat_template_kwargs")
+    if request.continue_final_message:
+        if request.add_generation_prompt:
+            raise bad_request("continue_final_message needs add_generation_prompt set to false (a new "
+                              "assistant turn cannot also continue the last message)",
+                              param="continue_final_message")
+        if request.messages and request.messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs the last message to be the assistant's",
+                              param="continue_final_message")

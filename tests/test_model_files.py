@@ -64,26 +64,41 @@ def test_eos_ids_merge_generation_config_config_and_tokenizer(llama_folder, tmp_
 
 def test_generation_config_sampling_values_become_request_defaults(llama_folder, tmp_path):
     """As vLLM's --generation-config auto: requests without sampling parameters sample as the
-    checkpoint recommends; generation_config="none" keeps Weir's own defaults."""
+    checkpoint recommends; "none" (or vLLM's "vllm") keeps Weir's own defaults; a folder's file
+    can stand in for the checkpoint's."""
     from weir import LLM
+    from weir.model_files import generation_config_sampling
 
     folder = _copy_checkpoint(llama_folder, tmp_path / "ckpt")
     (folder / "generation_config.json").write_text(json.dumps(
         {"do_sample": True, "temperature": 0.6, "top_k": 1, "top_p": None, "max_length": 20}))
-    assert resolve_model_files(str(folder), None).sampling_defaults == (("temperature", 0.6), ("top_k", 1))
+    assert generation_config_sampling(folder) == (("temperature", 0.6), ("top_k", 1))
     llm = LLM(str(folder), device="cpu", max_model_len=64)
+    assert llm.engine.model_config.sampling_defaults == (("temperature", 0.6), ("top_k", 1))
     # top_k=1 from the file makes every unseeded completion the greedy one.
     outputs = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 4, use_tqdm=False)
     assert len({tuple(output.outputs[0].token_ids) for output in outputs}) == 1
-    plain = LLM(str(folder), device="cpu", max_model_len=64, generation_config="none")
-    assert plain.engine.model_config.sampling_defaults == ()
+    for off in ("none", "vllm"):
+        assert LLM(str(folder), device="cpu", max_model_len=64, generation_config=off).engine.model_config \
+            .sampling_defaults == ()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"top_p": 0.5}))
+    assert LLM(str(folder), device="cpu", max_model_len=64, generation_config=other).engine.model_config \
+        .sampling_defaults == (("top_p", 0.5),)
+    with pytest.raises(ValueError, match="generation_config must be auto, none"):
+        LLM(str(folder), device="cpu", generation_config=str(tmp_path / "missing"))
 
 
-def test_generation_config_sampling_value_out_of_range_names_the_file(llama_folder, tmp_path):
+def test_generation_config_values_sampling_refuses_are_skipped_with_a_warning(llama_folder, tmp_path, caplog):
+    # transformers loads such checkpoints (greedy ignores top_p), so they must still load here.
+    from weir.model_files import generation_config_sampling
+
     folder = _copy_checkpoint(llama_folder, tmp_path / "ckpt")
-    (folder / "generation_config.json").write_text(json.dumps({"top_p": 1.5}))
-    with pytest.raises(ValueError, match=r"generation_config\.json: top_p must be in \(0, 1\]"):
-        resolve_model_files(str(folder), None)
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"do_sample": False, "top_p": 0.0, "temperature": "0.7", "top_k": 5}))
+    assert generation_config_sampling(folder) == (("top_k", 5),)
+    assert "top_p is not used as a sampling default" in caplog.text and "temperature" in caplog.text
 
 
 def test_missing_architectures_are_derived_from_model_type(llama_folder, tmp_path):

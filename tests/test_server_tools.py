@@ -61,7 +61,7 @@ def test_a_tool_call_comes_back_as_tool_calls(served):
     response = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "weather?"}],
                                               tools=TOOLS, temperature=0, max_tokens=200)
     choice = response.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure.\n"  # vLLM keeps it verbatim
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
     assert json.loads(call.function.arguments) == {"city": "Paris"}
@@ -79,7 +79,7 @@ def test_a_streamed_tool_call_arrives_whole_with_its_index(served):
         content += delta.content or ""
         calls += delta.tool_calls or []
         reasons.append(chunk.choices[0].finish_reason)
-    assert content.strip() == "Sure." and "<tool_call" not in content
+    assert content == "Sure.\n"  # what the whole response says
     assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == \
         [(0, "get_weather", {"city": "Paris"})]
     assert reasons[-1] == "tool_calls"
@@ -98,8 +98,34 @@ def test_tool_choice_none_leaves_the_text_alone_and_a_tool_turn_renders(served):
         messages=[{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
                   {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
     assert follow_up.choices[0].message.content == "Sunny." and follow_up.choices[0].finish_reason == "stop"
-    assert follow_up.usage.prompt_tokens == len(f"TOOLS1|<user>weather?<assistant>{json.dumps([call])}"
+    # The template gets the arguments as an object (vLLM does the same): `tojson` would encode a string twice.
+    rendered_call = {**call, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    assert follow_up.usage.prompt_tokens == len(f"TOOLS1|<user>weather?<assistant>{json.dumps([rendered_call])}"
                                                 f"<tool>sunny<assistant>")
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(served):
+    client, script = served
+    request = dict(messages=[{"role": "user", "content": "weather?"}], tools=TOOLS, parallel_tool_calls=False)
+    script.say(CALL + "\n" + CALL.replace("Paris", "Rome"))
+    calls = client.chat.completions.create(model="tiny", temperature=0, max_tokens=200, **request).choices[0]
+    assert [json.loads(c.function.arguments)["city"] for c in calls.message.tool_calls] == ["Paris"]
+    script.say(CALL + "\n" + CALL.replace("Paris", "Rome"))
+    _, _, streamed, _ = stream_parts(client, **request)
+    assert [json.loads(c.function.arguments)["city"] for c in streamed] == ["Paris"]
+
+
+def test_parser_takes_end_tags_inside_arguments_and_unclosed_blocks():
+    tricky = '<tool_call>{"name": "f", "arguments": {"code": "print(\'</tool_call>\')"}}</tool_call>'
+    for text, arguments in ((tricky, {"code": "print('</tool_call>')"}),
+                            ('<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n', {"x": 1})):  # stopped early
+        content, calls = parse_tool_calls(text)
+        assert content is None and [json.loads(c["function"]["arguments"]) for c in calls] == [arguments]
+        stream, streamed = ToolCallStream(), []
+        for character in text:
+            streamed += stream.feed(character)[1]
+        streamed += stream.feed("", finished=True)[1]
+        assert [json.loads(c["function"]["arguments"]) for c in streamed] == [arguments]
 
 
 def test_parser_keeps_what_is_not_a_call():
@@ -107,12 +133,14 @@ def test_parser_keeps_what_is_not_a_call():
     assert parse_tool_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
     content, calls = parse_tool_calls('a <tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call> b')
     assert content == "a  b" and calls[0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    assert parse_tool_calls(CALL + "\n" + CALL + "\n")[0] is None  # the newlines between calls are not content
     stream = ToolCallStream()
     pieces = [stream.feed(piece) for piece in ("hi <tool", "_call>{\"name\": \"f\"}</tool", "_call> <tool_ca")]
-    assert [piece[0] for piece in pieces] == ["hi ", "", " "]  # tags split across deltas are held back
+    # Tags split across deltas are held back, and so is whitespace after a call until text follows.
+    assert [piece[0] for piece in pieces] == ["hi ", "", ""]
     assert pieces[0][1] == pieces[1][1] == [] and [(c["index"], c["function"]["name"]) for c in pieces[2][1]] == \
         [(0, "f")]
-    assert stream.feed("", finished=True) == ("<tool_ca", [])  # an unfinished tag is text after all
+    assert stream.feed("", finished=True) == (" <tool_ca", [])  # an unfinished tag is text after all
     unclosed = ToolCallStream()
     assert unclosed.feed('<tool_call>{"name"', finished=True) == ('<tool_call>{"name"', [])
 
