@@ -11,10 +11,10 @@ from weir.server.errors import from_value_error
 from weir.server.generation import Generation
 from weir.server.logprobs import TokenBytes, chat_logprobs
 from weir.server.protocol import ChatCompletionRequest
+from weir.server.reasoning import ReasoningStream, parse_reasoning
 from weir.server.shapes import ResponseHeader, engine_error, finish_reason, usage
 from weir.server.state import ServerState, new_request_id
 from weir.server.streaming import DONE_EVENT, EventStreamResponse, final_outputs, sse_event
-from weir.server.reasoning import ReasoningStream, parse_reasoning
 from weir.server.tool_calls import ToolCallStream, parse_tool_calls
 
 
@@ -71,7 +71,9 @@ def _message(chat: ChatCompletionRequest, completion: CompletionOutput, reasonin
         message["reasoning_content"], content = parse_reasoning(content)
         message["content"] = content
     if chat.parses_tool_calls:
-        message["content"], calls = parse_tool_calls(content or "")
+        without_calls, calls = parse_tool_calls(content or "")
+        if calls:
+            message["content"] = without_calls
         message["tool_calls"] = calls if chat.parallel_tool_calls is not False else calls[:1]  # as vLLM
     return message
 
