@@ -9,6 +9,7 @@ either afterwards (runtime facts such as the number of KV blocks live in the run
 from __future__ import annotations
 
 import dataclasses
+import logging
 import numbers
 import operator
 import os
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -103,8 +106,8 @@ class EngineArgs:
     chat_template: str | None = field(default=None, metadata=_help("Jinja chat template file or string"))
     generation_config: str = field(default="auto", metadata=_help(
         "auto: the checkpoint's generation_config.json sampling values (temperature, top_p, top_k, min_p, "
-        "repetition_penalty) are the defaults of requests that set none, as vLLM does; a folder: its "
-        "generation_config.json instead; none (or vllm): Weir's own defaults"))
+        "repetition_penalty, max_new_tokens) are the defaults of requests that set none, as vLLM does; a "
+        "folder: its generation_config.json instead; none (or vllm): Weir's own defaults"))
     load_format: str = field(default="auto", metadata=_help(
         "auto: the checkpoint's weights; dummy: random weights, config.json alone suffices (benchmarks)"))
     device: str | None = field(default=None, metadata=_help("platform: cpu, cuda, rocm, xpu (default: detect)"))
@@ -131,6 +134,8 @@ class EngineArgs:
     seed: int = field(default=0, metadata=_help("seed for requests that set none"))
     max_logprobs: int = field(default=20, metadata=_help("most top logprobs a request may ask for"))
     enforce_eager: bool = field(default=False, metadata=_help("no graphs"))
+    trust_remote_code: bool = field(default=False, metadata=_help(
+        "accepted so vLLM command lines run; Weir never runs a checkpoint's own code (its models are plugins)"))
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -157,6 +162,9 @@ class EngineArgs:
         from weir.tokenizer import load_chat_template
 
         self._validate()
+        if self.trust_remote_code:
+            logger.warning("trust_remote_code has no effect: Weir runs its own model code (plugins), never a "
+                           "checkpoint's")
         chat_template = None if self.chat_template is None else load_chat_template(self.chat_template)
         files = resolve_model_files(self.model, self.tokenizer)
         hf_config = files.hf_config

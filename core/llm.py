@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from weir.engine import LLMEngine
 from weir.outputs import RequestOutput
 from weir.sampling_params import SamplingParams
-from weir.tokenizer import apply_chat_template
+from weir.tokenizer import encode_rendered_chat, render_chat_template, template_message
 
 
 class LLM:
@@ -24,10 +24,9 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Prompts: a string, a ``{"prompt_token_ids": [...]}`` dict, or a list of them.
-        Returns one ``RequestOutput`` per prompt, in order."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
+        """Prompts: a string, a ``{"prompt_token_ids": [...]}`` dict, a list of token ids, or a list
+        of any of these. Returns one ``RequestOutput`` per prompt, in order."""
+        prompts = _prompt_list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompts))
         request_ids = []
         try:
@@ -44,15 +43,33 @@ class LLM:
             self._drain()
             raise
 
-    def chat(self, messages, sampling_params=None, chat_template: str | None = None,
-             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of ``{"role", "content"}``) or a list of them."""
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of ``{"role", "content"}`` messages, content a string or OpenAI
+        text parts) or a list of them, rendered by the chat template as ``vllm.LLM.chat`` renders
+        them; each output's ``prompt`` is the rendered text."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         template = chat_template or self.engine.model_config.chat_template
-        prompts = [{"prompt_token_ids": apply_chat_template(self.engine.tokenizer, conversation, template,
-                                                            add_generation_prompt)}
-                   for conversation in conversations]
+        tokenizer = self.engine.tokenizer
+        prompts = []
+        for conversation in conversations:
+            prepared = [template_message(message, index) for index, message in enumerate(conversation)]
+            text = render_chat_template(tokenizer, prepared, template, add_generation_prompt,
+                                        continue_final_message, chat_template_kwargs, tools)
+            prompts.append({"prompt": text, "prompt_token_ids": encode_rendered_chat(tokenizer, text)})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request without sampling parameters uses: the checkpoint's generation_config
+        values over SamplingParams' defaults (a fresh copy, free to change)."""
+        return SamplingParams(**dict(self.engine.model_config.sampling_defaults))
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """``engine`` under vLLM's name."""
+        return self.engine
 
     @staticmethod
     def _params_per_prompt(sampling_params, num_prompts: int) -> list[SamplingParams | None]:
@@ -82,3 +99,15 @@ class LLM:
         """Finish the step still in flight, so no request outlives the call that made it."""
         while self.engine.has_unfinished_requests():
             self.engine.step()
+
+
+def _is_token_ids(value) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and all(
+        isinstance(token, int) and not isinstance(token, bool) for token in value)
+
+
+def _prompt_list(prompts) -> list:
+    """As vLLM: one prompt (text, a dict, or token ids) or a list of them."""
+    if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
+        prompts = [prompts]
+    return [{"prompt_token_ids": list(prompt)} if _is_token_ids(prompt) else prompt for prompt in prompts]

@@ -188,7 +188,8 @@ def _generation_config_eos(weights_path: Path) -> list[int]:
 
 # generation_config.json key -> SamplingParams field: the values vLLM applies by default.
 GENERATION_CONFIG_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                              "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
+                              "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                              "max_new_tokens": "max_tokens"}
 
 
 def generation_config_sampling(folder: Path) -> tuple[tuple[str, float | int], ...]:

@@ -86,8 +86,8 @@ class SamplingParams:
             )
         if self.logprobs is not None and _check_int("logprobs", self.logprobs) < 0:
             raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
-        if self.seed is not None:
-            _check_int("seed", self.seed)
+        if self.seed is not None and _check_int("seed", self.seed) == -1:
+            self.seed = None  # vLLM's spelling of "no seed"
 
     def _check_sampling(self) -> None:
         self.temperature = _check_number("temperature", self.temperature)

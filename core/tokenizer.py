@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from concurrent.futures import Executor, Future
 from pathlib import Path
@@ -29,18 +30,62 @@ def start_loading_tokenizer(model_config: Any, pool: Executor) -> Future:
     return pool.submit(load_tokenizer, model_config)
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], chat_template: str | None,
-                        add_generation_prompt: bool = True, continue_final_message: bool = False,
-                        template_kwargs: dict[str, Any] | None = None,
-                        tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """Render ``messages`` (and the ``tools`` the model may call) with the override template (or
-    the tokenizer's own) into token ids; ``template_kwargs`` are extra template variables
-    (``enable_thinking`` for Qwen3, ...)."""
+class UnsupportedContent(ValueError):
+    """A message part a chat template cannot take (an image, ...); ``param`` names where it is."""
+
+    def __init__(self, param: str, what: str):
+        super().__init__(f"{param}: {what} is not supported")
+        self.param, self.what = param, what
+
+
+def template_message(message: dict[str, Any], index: int) -> dict[str, Any]:
+    """An OpenAI-style message as chat templates expect it, as vLLM prepares it: text content
+    parts joined by newlines, ``developer`` as ``system``, and tool-call arguments given as a JSON
+    string turned into an object (Qwen2.5, Hermes and Llama 3.1 templates render them with
+    ``tojson``, which would encode a string a second time)."""
+    prepared = dict(message)
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part_index, part in enumerate(content):
+            part_type = part.get("type") if isinstance(part, dict) else None
+            if part_type != "text" or not isinstance(part.get("text"), str):
+                raise UnsupportedContent(f"messages.{index}.content.{part_index}.type",
+                                         f"content part type {part_type!r} (only 'text')")
+            texts.append(part["text"])
+        prepared["content"] = "\n".join(texts)
+    elif content is None:
+        prepared["content"] = ""
+    if prepared.get("role") == "developer":
+        prepared["role"] = "system"
+    if isinstance(message.get("tool_calls"), list):
+        prepared["tool_calls"] = [_arguments_as_object(call) for call in message["tool_calls"]]
+    return prepared
+
+
+def _arguments_as_object(tool_call: Any) -> Any:
+    function = tool_call.get("function") if isinstance(tool_call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return tool_call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return tool_call
+    if not isinstance(arguments, dict):
+        return tool_call
+    return {**tool_call, "function": {**function, "arguments": arguments}}
+
+
+def render_chat_template(tokenizer: Any, messages: list[dict[str, Any]], chat_template: str | None,
+                         add_generation_prompt: bool = True, continue_final_message: bool = False,
+                         template_kwargs: dict[str, Any] | None = None,
+                         tools: list[dict[str, Any]] | None = None) -> str:
+    """The prompt text of ``messages`` (prepared by ``template_message``) and the ``tools`` the model
+    may call, by the override template (or the tokenizer's own); ``template_kwargs`` are extra
+    template variables (``enable_thinking`` for Qwen3, ...)."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("the model has no chat template, so chat requests cannot be rendered; pass "
                          "one with --chat-template FILE (a Jinja template), or use plain completions")
-    # Render to text, then encode without special tokens: the template writes any BOS itself,
-    # and this returns plain ids the same way across transformers versions.
     import jinja2
 
     try:
@@ -50,6 +95,22 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], chat_tem
                                              **(template_kwargs or {}))
     except jinja2.TemplateError as error:  # raise_exception(...) in the template, or a syntax error
         raise ValueError(f"the chat template cannot render these messages: {error}") from error
+    return text
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], chat_template: str | None,
+                        add_generation_prompt: bool = True, continue_final_message: bool = False,
+                        template_kwargs: dict[str, Any] | None = None,
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """``render_chat_template``'s text as token ids."""
+    text = render_chat_template(tokenizer, messages, chat_template, add_generation_prompt, continue_final_message,
+                                template_kwargs, tools)
+    return encode_rendered_chat(tokenizer, text)
+
+
+def encode_rendered_chat(tokenizer: Any, text: str) -> list[int]:
+    # Without special tokens: the template writes any BOS itself, and this returns plain ids the
+    # same way across transformers versions.
     return tokenizer.encode(text, add_special_tokens=False)
 
 

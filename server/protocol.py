@@ -8,13 +8,13 @@ served with ``--enable-auto-tool-choice --tool-call-parser hermes`` (``weir.serv
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from weir.sampling_params import SamplingParams
 from weir.server.errors import bad_request, unsupported
+from weir.tokenizer import UnsupportedContent, template_message
 
 # OpenAI's limit: each choice is a sequence the engine schedules, so one request must not be able
 # to queue an unbounded number of them ahead of everyone else.
@@ -47,40 +47,12 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = None  # a tool turn's answer to that call
 
     def as_template_message(self, index: int) -> dict[str, Any]:
-        """``{"role", "content"}`` with text parts joined; other part types are refused."""
-        if isinstance(self.content, list):
-            texts = []
-            for part_index, part in enumerate(self.content):
-                if part.type != "text" or part.text is None:
-                    raise unsupported(f"messages.{index}.content.{part_index}.type",
-                                      f"content part type {part.type!r} (only 'text')")
-                texts.append(part.text)
-            content = "\n".join(texts)  # as vLLM joins text parts
-        else:
-            content = self.content or ""
-        message = {"role": "system" if self.role == "developer" else self.role, "content": content}
-        for key in ("name", "tool_call_id"):
-            if getattr(self, key) is not None:
-                message[key] = getattr(self, key)
-        if self.tool_calls is not None:
-            message["tool_calls"] = [_arguments_as_object(call) for call in self.tool_calls]
-        return message
-
-
-def _arguments_as_object(tool_call: dict[str, Any]) -> dict[str, Any]:
-    """A call whose ``function.arguments`` is a JSON string, with them as an object, as vLLM hands
-    them to templates: Qwen2.5, Hermes and Llama 3.1 templates render ``arguments | tojson``, which
-    would encode a string a second time."""
-    function = tool_call.get("function")
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
-        return tool_call
-    try:
-        arguments = json.loads(function["arguments"])
-    except json.JSONDecodeError:
-        return tool_call
-    if not isinstance(arguments, dict):
-        return tool_call
-    return {**tool_call, "function": {**function, "arguments": arguments}}
+        """The message as chat templates take it (``weir.tokenizer.template_message``)."""
+        fields = self.model_dump(include={"role", "content", "name", "tool_calls", "tool_call_id"}, exclude_none=True)
+        try:
+            return template_message(fields, index)
+        except UnsupportedContent as error:
+            raise unsupported(error.param, error.what) from error
 
 
 # vLLM extensions that change what is generated or returned; Weir has none of them yet, so a
@@ -231,6 +203,8 @@ class ChatCompletionRequest(_SamplingRequest):
     def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         # Chat's default is "as long as the context allows" (the engine clamps None to that).
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if max_tokens is None:  # the checkpoint's max_new_tokens when it names one, as vLLM
+            max_tokens = defaults.get("max_tokens")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(max_tokens, logprobs, defaults)
 

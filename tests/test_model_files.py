@@ -71,13 +71,15 @@ def test_generation_config_sampling_values_become_request_defaults(llama_folder,
 
     folder = _copy_checkpoint(llama_folder, tmp_path / "ckpt")
     (folder / "generation_config.json").write_text(json.dumps(
-        {"do_sample": True, "temperature": 0.6, "top_k": 1, "top_p": None, "max_length": 20}))
-    assert generation_config_sampling(folder) == (("temperature", 0.6), ("top_k", 1))
+        {"do_sample": True, "temperature": 0.6, "top_k": 1, "top_p": None, "max_new_tokens": 5, "max_length": 20}))
+    expected = (("temperature", 0.6), ("top_k", 1), ("max_tokens", 5))
+    assert generation_config_sampling(folder) == expected
     llm = LLM(str(folder), device="cpu", max_model_len=64)
-    assert llm.engine.model_config.sampling_defaults == (("temperature", 0.6), ("top_k", 1))
-    # top_k=1 from the file makes every unseeded completion the greedy one.
+    assert llm.engine.model_config.sampling_defaults == expected
+    # top_k=1 from the file makes every unseeded completion the greedy one, max_new_tokens its length.
     outputs = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 4, use_tqdm=False)
     assert len({tuple(output.outputs[0].token_ids) for output in outputs}) == 1
+    assert all(len(o.outputs[0].token_ids) == 5 or o.outputs[0].finish_reason == "stop" for o in outputs)
     for off in ("none", "vllm"):
         assert LLM(str(folder), device="cpu", max_model_len=64, generation_config=off).engine.model_config \
             .sampling_defaults == ()

@@ -71,6 +71,9 @@ def test_chat_sampling_params_follow_openai_defaults():
     defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
     params = CompletionRequest.model_validate({"prompt": "hi", "top_k": -1}).to_sampling_params(defaults)
     assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.95, 0)
+    # max_new_tokens from the file bounds a chat reply that sets no max_tokens.
+    assert unbounded.to_sampling_params({"max_tokens": 7}).max_tokens == 7
+    assert chat.to_sampling_params({"max_tokens": 7}).max_tokens == 5
 
 
 def test_logprob_shapes(tiny_llama_path):

@@ -1,0 +1,36 @@
+"""``weir.LLM`` shaped like ``vllm.LLM`` where porting scripts lean on it: chat's signature and
+options, OpenAI text parts, the rendered prompt on outputs, token-id prompts, vLLM's names."""
+
+from __future__ import annotations
+
+from weir import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+TEMPLATE = ("{% if greeting %}{{ greeting }}|{% endif %}{% if tools %}TOOLS|{% endif %}"
+            "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_chat_takes_vllm_options_and_reports_the_rendered_prompt(tiny_llm):
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    output = tiny_llm.chat([{"role": "user", "content": parts}], GREEDY, False, chat_template=TEMPLATE,
+                           chat_template_kwargs={"greeting": "hey"}, tools=[{"type": "function",
+                                                                            "function": {"name": "f"}}])[0]
+    assert output.prompt == "hey|TOOLS|<user>a\nb<assistant>"  # text parts joined by newlines, as vLLM
+    assert output.prompt_token_ids == list(output.prompt.encode())  # the byte-level tokenizer
+    continued = tiny_llm.chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}],
+                              GREEDY, use_tqdm=False, chat_template=TEMPLATE, add_generation_prompt=False,
+                              continue_final_message=True)[0]
+    assert continued.prompt == "<user>hi<assistant>The"
+
+
+def test_vllm_names_and_token_id_prompts(tiny_llm):
+    assert tiny_llm.llm_engine is tiny_llm.engine
+    defaults = tiny_llm.get_default_sampling_params()
+    assert defaults == SamplingParams() and defaults is not tiny_llm.get_default_sampling_params()
+    single = tiny_llm.generate([72, 105], GREEDY, use_tqdm=False)
+    batch = tiny_llm.generate([[72, 105], [1, 2, 3]], GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in single] == [[72, 105]]
+    assert [o.prompt_token_ids for o in batch] == [[72, 105], [1, 2, 3]]
+    assert batch[0].outputs[0].token_ids == single[0].outputs[0].token_ids
+    assert SamplingParams(seed=-1).seed is None  # vLLM's "no seed"
