@@ -63,7 +63,8 @@ class _Parent:
                 token_ids=list(request.output_token_ids), cumulative_logprob=child.cumulative_logprob,
                 logprobs=child.logprobs, finish_reason=finish_reason, stop_reason=request.stop_reason,
             ))
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished,
+                             self.children[0].request.num_cached_tokens)
 
 
 class LLMEngine:

@@ -41,3 +41,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # Prompt tokens served from the prefix cache at admission (of the first completion, as vLLM).
+    num_cached_tokens: int | None = None

@@ -37,6 +37,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_computed_tokens: int = 0
+    # Prompt tokens the prefix cache held when the request was first admitted (None until then).
+    num_cached_tokens: int | None = None
     # Tokens sampled on the device that the host has not seen yet (async scheduling).
     num_output_placeholders: int = 0
     num_preemptions: int = 0

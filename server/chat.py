@@ -119,7 +119,8 @@ def _response_body(chat: ChatCompletionRequest, header: ResponseHeader, output: 
             "stop_reason": completion.stop_reason,
         })
     num_generated = sum(len(completion.token_ids) for completion in output.outputs)
-    return header.body(choices, usage=usage(len(output.prompt_token_ids), num_generated))
+    return header.body(choices, usage=usage(len(output.prompt_token_ids), num_generated,
+                                            output.num_cached_tokens or 0))
 
 
 async def _events(chat: ChatCompletionRequest, header: ResponseHeader, generation: Generation,
@@ -156,7 +157,8 @@ async def _events(chat: ChatCompletionRequest, header: ResponseHeader, generatio
                                 stop_reason=completion.stop_reason)
         if chat.include_usage and output is not None:
             num_generated = sum(len(completion.token_ids) for completion in output.outputs)
-            yield sse_event(header.body([], usage=usage(len(output.prompt_token_ids), num_generated)))
+            yield sse_event(header.body([], usage=usage(len(output.prompt_token_ids), num_generated,
+                                                        output.num_cached_tokens or 0)))
     except Exception as error:  # headers are sent: the error travels as an event
         yield sse_event(engine_error(error).body())
     finally:

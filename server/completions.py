@@ -40,15 +40,16 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     if body.stream:
         return EventStreamResponse(_events(body, header, generations, echoes), on_close=close_all)
     outputs = await final_outputs(request.receive, asyncio.gather(*(g.final() for g in generations)), close_all)
-    choices, num_prompt_tokens, num_generated = [], 0, 0
+    choices, num_prompt_tokens, num_generated, num_cached = [], 0, 0, 0
     for prompt_index, output in enumerate(outputs):
         num_prompt_tokens += len(output.prompt_token_ids)
+        num_cached += output.num_cached_tokens or 0
         for completion in output.outputs:
             num_generated += len(completion.token_ids)
             logprobs = _logprobs(body, completion, 0, len(echoes[prompt_index]))[0]
             choices.append(_choice(body, prompt_index, completion, echoes[prompt_index] + completion.text,
                                    logprobs, finish_reason(completion)))
-    return JSONResponse(header.body(choices, usage=usage(num_prompt_tokens, num_generated)))
+    return JSONResponse(header.body(choices, usage=usage(num_prompt_tokens, num_generated, num_cached)))
 
 
 async def _tokenized(state: ServerState, prompt: str | list[int], echo: bool) -> tuple[list[int], str | None]:
@@ -113,7 +114,8 @@ async def _events(body: CompletionRequest, header: ResponseHeader, generations: 
             outputs = [last_outputs[index] for index in sorted(last_outputs)]
             num_prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
             num_generated = sum(len(c.token_ids) for output in outputs for c in output.outputs)
-            yield sse_event(header.body([], usage=usage(num_prompt_tokens, num_generated)))
+            num_cached = sum(output.num_cached_tokens or 0 for output in outputs)
+            yield sse_event(header.body([], usage=usage(num_prompt_tokens, num_generated, num_cached)))
     except Exception as error:  # headers are sent: the error travels as an event
         yield sse_event(engine_error(error).body())
     finally:

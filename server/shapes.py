@@ -28,9 +28,11 @@ class ResponseHeader:
                 "system_fingerprint": self.system_fingerprint, "choices": choices, **extra}
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> dict:
+    """OpenAI's usage, with the prompt tokens the prefix cache served as ``cached_tokens``."""
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
+            "total_tokens": num_prompt_tokens + num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
 
 
 def finish_reason(completion: CompletionOutput) -> str | None:

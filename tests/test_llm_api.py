@@ -34,3 +34,12 @@ def test_vllm_names_and_token_id_prompts(tiny_llm):
     assert [o.prompt_token_ids for o in batch] == [[72, 105], [1, 2, 3]]
     assert batch[0].outputs[0].token_ids == single[0].outputs[0].token_ids
     assert SamplingParams(seed=-1).seed is None  # vLLM's "no seed"
+
+
+def test_outputs_say_how_much_of_the_prompt_the_prefix_cache_served(tiny_llm):
+    prompt = {"prompt_token_ids": list(range(1, 41))}  # 10 full blocks of 4
+    first = tiny_llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    again = tiny_llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    assert 0 < again.num_cached_tokens < 40  # whole blocks, and never the last token
+    assert again.num_cached_tokens % 4 == 0

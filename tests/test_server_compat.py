@@ -74,3 +74,11 @@ def test_browser_preflight_is_allowed(port):
         assert response.status == 200 and response.getheader("access-control-allow-origin") == "*"
     finally:
         connection.close()
+
+
+def test_usage_reports_cached_prompt_tokens(port):
+    body = {"prompt": "a long enough prompt to fill a few blocks of the cache", "max_tokens": 1}
+    status, first = request("POST", port, "/v1/completions", body)
+    status, again = request("POST", port, "/v1/completions", body)
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0

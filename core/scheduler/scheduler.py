@@ -158,6 +158,8 @@ class Scheduler:
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens is None:  # a preempted request's re-admission does not count
+                request.num_cached_tokens = num_hit_tokens
             num_scheduled[request.request_id] = num_new
             new_reqs.append(self._new_request_data(request))
             budget -= num_new
