@@ -156,12 +156,16 @@ class LLMEngine:
             raise ValueError(f"a prompt must be a string or a dict, got {type(prompt).__name__}")
         return prompt, encode_prompt(self.tokenizer, prompt)
 
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request without parameters samples with: as vLLM, the checkpoint's
+        generation_config values over SamplingParams' defaults (a fresh copy)."""
+        return SamplingParams(**dict(self.model_config.sampling_defaults))
+
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     final_only: bool = False) -> None:
         """Queue a request. ``final_only``: ``step()`` reports it only once it has finished (what
         offline generation needs; building every step's cumulative output is host work)."""
-        # As vLLM: a request without parameters samples as the checkpoint's generation_config says.
-        params = params or SamplingParams(**dict(self.model_config.sampling_defaults))
+        params = params or self.default_sampling_params()
         child_ids = [request_id] if params.n == 1 else [f"{request_id}-{index}" for index in range(params.n)]
         taken = [i for i in [request_id, *child_ids] if i in self._parents or i in self._child_of]
         if taken:

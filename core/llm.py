@@ -62,9 +62,8 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """What a request without sampling parameters uses: the checkpoint's generation_config
-        values over SamplingParams' defaults (a fresh copy, free to change)."""
-        return SamplingParams(**dict(self.engine.model_config.sampling_defaults))
+        """``LLMEngine.default_sampling_params`` under vLLM's name (a fresh copy, free to change)."""
+        return self.engine.default_sampling_params()
 
     @property
     def llm_engine(self) -> LLMEngine:

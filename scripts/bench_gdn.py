@@ -42,12 +42,6 @@ def decode(batch: int) -> None:
     conv_out = torch.empty_like(mixed)
     out = torch.empty(batch, HV, DV, dtype=torch.bfloat16, device="cuda")
     conv_ms = time_ms(lambda: conv_decode_step(mixed, conv_state, weight, slots, conv_out))
-    conv_runs = sorted((time_ms(lambda: conv_decode_step(mixed, conv_state, weight, slots, conv_out, block_d=block_d,
-                                                         num_warps=num_warps)), block_d, num_warps)
-                       for block_d in (128, 256, 512, 1024, 2048) for num_warps in (2, 4, 8))
-    conv_bytes = batch * CONV_DIM * (2 * CONV_KERNEL + 2) * 2  # state read + written, x read, out written
-    print(f"conv B={batch:4d}: default {conv_ms * 1e3:6.1f} us ({conv_bytes / conv_ms / 1e6:5.0f} GB/s); best "
-          + ", ".join(f"{ms * 1e3:.1f} us (block_d {bd}, warps {nw})" for ms, bd, nw in conv_runs[:3]))
     state_bytes = 2 * batch * HV * DK * DV * 4
     results = []
     for block_v in (16, 32, 64, 128):

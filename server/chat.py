@@ -10,7 +10,7 @@ from weir.server.body import parse, read_json
 from weir.server.errors import from_value_error
 from weir.server.generation import Generation
 from weir.server.logprobs import TokenBytes, chat_logprobs
-from weir.server.protocol import ChatCompletionRequest
+from weir.server.protocol import ChatCompletionRequest, template_kwargs
 from weir.server.reasoning import ReasoningStream, parse_reasoning
 from weir.server.shapes import ResponseHeader, engine_error, finish_reason, usage
 from weir.server.state import ServerState, new_request_id
@@ -32,7 +32,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         raise from_value_error(error, renamed=renamed) from error
     messages = [message.as_template_message(index) for index, message in enumerate(chat.messages)]
     prompt_token_ids = await state.render_chat(messages, chat.add_generation_prompt, chat.continue_final_message,
-                                               chat.template_kwargs(), chat.tools)
+                                               template_kwargs(chat), chat.tools)
     header = ResponseHeader(new_request_id("chatcmpl"), "chat.completion", state.served_model_name,
                             state.system_fingerprint)
     explicit_max = ("max_completion_tokens" if chat.max_completion_tokens is not None
@@ -74,7 +74,7 @@ def _message(chat: ChatCompletionRequest, completion: CompletionOutput, reasonin
         without_calls, calls = parse_tool_calls(content or "")
         if calls:
             message["content"] = without_calls
-        message["tool_calls"] = calls if chat.parallel_tool_calls is not False else calls[:1]  # as vLLM
+        message["tool_calls"] = calls[:chat.max_tool_calls]
     return message
 
 
@@ -85,7 +85,7 @@ class _ReplySplitter:
     def __init__(self, chat: ChatCompletionRequest, reasoning_parser: str | None):
         self.reasoning = ReasoningStream() if reasoning_parser is not None else None
         self.tools = ToolCallStream() if chat.parses_tool_calls else None
-        self.max_calls = 1 if chat.parallel_tool_calls is False else None
+        self.max_calls = chat.max_tool_calls
 
     @property
     def called_tools(self) -> bool:

@@ -9,7 +9,7 @@ from weir.async_engine import EngineDeadError
 from weir.server.body import parse, read_json
 from weir.server.errors import APIError, bad_request
 from weir.server.metrics import read_engine_stats
-from weir.server.protocol import DetokenizeRequest, TokenizeRequest, check_template_options
+from weir.server.protocol import DetokenizeRequest, TokenizeRequest, check_template_options, template_kwargs
 from weir.server.state import ServerState
 
 
@@ -46,7 +46,7 @@ async def tokenize(request: Request, state: ServerState) -> Response:
         check_template_options(body)
         messages = [message.as_template_message(index) for index, message in enumerate(body.messages)]
         token_ids = await state.render_chat(messages, body.add_generation_prompt, body.continue_final_message,
-                                            body.template_kwargs(), body.tools)
+                                            template_kwargs(body), body.tools)
     else:
         token_ids = await state.encode(body.prompt, body.add_special_tokens)
     return JSONResponse({"count": len(token_ids), "max_model_len": state.max_model_len, "tokens": token_ids})

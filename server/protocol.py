@@ -160,8 +160,11 @@ class ChatCompletionRequest(_SamplingRequest):
     reasoning_effort: str | None = None  # handed to the chat template (templates that read it use it)
     echo: bool | None = None  # vLLM's: refused unless false
 
-    def template_kwargs(self) -> dict[str, Any]:
-        return template_kwargs(self.chat_template_kwargs, self.reasoning_effort)
+
+    @property
+    def max_tool_calls(self) -> int | None:
+        """``parallel_tool_calls: false`` keeps the first call only, as vLLM does."""
+        return 1 if self.parallel_tool_calls is False else None
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -257,8 +260,6 @@ class TokenizeRequest(_Strict):
     reasoning_effort: str | None = None
     tools: list[dict] | None = None
 
-    def template_kwargs(self) -> dict[str, Any]:
-        return template_kwargs(self.chat_template_kwargs, self.reasoning_effort)
 
 
 class DetokenizeRequest(_Strict):
@@ -266,11 +267,11 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
-def template_kwargs(chat_template_kwargs: dict[str, Any] | None, reasoning_effort: str | None) -> dict[str, Any]:
+def template_kwargs(request: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
     """Variables for the chat template beyond the messages."""
-    kwargs = dict(chat_template_kwargs or {})
-    if reasoning_effort is not None:
-        kwargs.setdefault("reasoning_effort", reasoning_effort)
+    kwargs = dict(request.chat_template_kwargs or {})
+    if request.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", request.reasoning_effort)
     return kwargs
 
 

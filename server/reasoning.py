@@ -11,28 +11,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from weir.server.tool_calls import partial_tag_length
+
 START, END = "<think>", "</think>"
 PARSERS = ("qwen3",)
 
 
 def parse_reasoning(text: str) -> tuple[str | None, str | None]:
     """(reasoning, content) of a finished reply; either is None when empty."""
-    stripped = text.lstrip()
-    if not stripped.startswith(START):
-        return None, text or None
-    body = stripped[len(START):]
-    end = body.find(END)
-    if end == -1:
-        return body or None, None
-    return body[:end] or None, body[end + len(END):] or None
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """How many trailing characters of ``text`` could begin ``tag``."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-length:]):
-            return length
-    return 0
+    reasoning, content = ReasoningStream().feed(text, finished=True)
+    return reasoning or None, content or None
 
 
 @dataclass
@@ -60,7 +48,7 @@ class ReasoningStream:
                 reasoning, self.pending = self.pending[:end], self.pending[end + len(END):]
                 self.state = "content"
             else:
-                keep = 0 if finished else _partial_suffix(self.pending, END)
+                keep = 0 if finished else partial_tag_length(self.pending, END)
                 reasoning = self.pending[:len(self.pending) - keep]
                 self.pending = self.pending[len(self.pending) - keep:]
                 return reasoning, ""

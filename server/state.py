@@ -123,7 +123,7 @@ class ServerState:
         try:
             for index, (token_ids, text) in enumerate(prompts):
                 request_id = base_id if len(prompts) == 1 else f"{base_id}-{index}"
-                generations.append(await self.start(token_ids, text, params, request_id, param, max_tokens_param))
+                generations.append(await self.start(token_ids, text, params, request_id, param))  # checked above
         except BaseException:
             for generation in generations:
                 generation.close()

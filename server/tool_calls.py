@@ -94,7 +94,7 @@ class ToolCallStream:
             start = self.pending.find(START)
             text = self.pending if start == -1 else self.pending[:start]
             if start == -1 and not finished:  # keep what may begin a tag
-                keep = _partial_tag_length(self.pending)
+                keep = partial_tag_length(self.pending, START)
                 text = self.pending[:len(self.pending) - keep]
             if _whitespace_run(text, self.num_calls > 0) and not finished and start == -1:
                 break  # whitespace after a call: sent only if more text follows
@@ -108,9 +108,9 @@ class ToolCallStream:
         return "".join(content), calls
 
 
-def _partial_tag_length(text: str) -> int:
-    """How many trailing characters of ``text`` could begin ``<tool_call>``."""
-    for length in range(min(len(START) - 1, len(text)), 0, -1):
-        if START.startswith(text[-length:]):
+def partial_tag_length(text: str, tag: str) -> int:
+    """How many trailing characters of ``text`` could begin ``tag`` (a stream holds them back)."""
+    for length in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-length:]):
             return length
     return 0

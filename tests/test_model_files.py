@@ -79,7 +79,7 @@ def test_generation_config_sampling_values_become_request_defaults(llama_folder,
     # top_k=1 from the file makes every unseeded completion the greedy one, max_new_tokens its length.
     outputs = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 4, use_tqdm=False)
     assert len({tuple(output.outputs[0].token_ids) for output in outputs}) == 1
-    assert all(len(o.outputs[0].token_ids) == 5 or o.outputs[0].finish_reason == "stop" for o in outputs)
+    assert [(len(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outputs] == [(5, "length")] * 4
     for off in ("none", "vllm"):
         assert LLM(str(folder), device="cpu", max_model_len=64, generation_config=off).engine.model_config \
             .sampling_defaults == ()

@@ -98,7 +98,7 @@ def gdn_decode_kernel(
              out.to(out_ptr.dtype.element_ty), mask=mask_v)
 
 
-def conv_decode_step(x, conv_state, weight, state_indices, out, block_d: int = 256, num_warps: int = 4):
+def conv_decode_step(x, conv_state, weight, state_indices, out, block_d: int = 256):
     """Causal depthwise conv + SiLU for one token per request, updating ``conv_state`` in place.
 
     ``x [B, D]`` (this step's inputs), ``conv_state [S, D, K]`` (slot-indexed, oldest tap first),
@@ -119,7 +119,7 @@ def conv_decode_step(x, conv_state, weight, state_indices, out, block_d: int = 2
     conv_decode_kernel[(num_reqs, triton.cdiv(dim, block_d))](
         x, x.stride(0), conv_state, conv_state.stride(0), conv_state.stride(1), weight, weight.stride(0),
         state_indices, out, out.stride(0), dim,
-        KERNEL=kernel_width, BLOCK_K=triton.next_power_of_2(kernel_width), BLOCK_D=block_d, num_warps=num_warps,
+        KERNEL=kernel_width, BLOCK_K=triton.next_power_of_2(kernel_width), BLOCK_D=block_d, num_warps=4,
     )
     return out
 
