@@ -1,7 +1,7 @@
 """Gated DeltaNet kernel timings on CUDA at Qwen3-Next shapes (H=16, HV=32, Dk=Dv=128, conv 8192x4):
-Weir's slot-indexed decode kernels (recurrent step: achieved bandwidth on the fp32 state it
-reads and writes, with a tile sweep) and fla's chunk prefill. Timings are of eager launches: at
-small batches they measure Python's launch cost (~35 us), not the kernel (profile_steps.py does).
+Weir's slot-indexed decode kernels (conv, and the recurrent step with a sweep of its tiles and
+cache hints; bandwidth counts the recurrent state read and written) timed in CUDA graphs, and
+fla's chunk prefill (eager).
 
     python3 scripts/bench_gdn.py
 """
@@ -30,9 +30,25 @@ def time_ms(fn, iters: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def decode(batch: int) -> None:
+def graph_us(fn, repeats: int = 20) -> float:
+    """Microseconds per call of ``fn`` replayed ``repeats`` times in one CUDA graph: kernel time
+    without Python's launch cost (eager timings at small batches measure ~35 us of that)."""
+    fn()  # compiles
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    return time_ms(graph.replay, iters=20) * 1e3 / repeats
+
+
+def decode(batch: int, state_dtype: torch.dtype) -> None:
     num_slots = 512
-    state = torch.zeros(num_slots + 1, HV, DK, DV, dtype=torch.float32, device="cuda")
+    state = torch.zeros(num_slots + 1, HV, DK, DV, dtype=state_dtype, device="cuda")
     conv_state = torch.zeros(num_slots + 1, CONV_DIM, CONV_KERNEL, dtype=torch.bfloat16, device="cuda")
     slots = torch.randperm(num_slots, device="cuda")[:batch].to(torch.int32)
     mixed = torch.randn(batch, CONV_DIM, dtype=torch.bfloat16, device="cuda")
@@ -41,20 +57,31 @@ def decode(batch: int) -> None:
     beta = torch.rand(batch, HV, dtype=torch.bfloat16, device="cuda")
     conv_out = torch.empty_like(mixed)
     out = torch.empty(batch, HV, DV, dtype=torch.bfloat16, device="cuda")
-    conv_ms = time_ms(lambda: conv_decode_step(mixed, conv_state, weight, slots, conv_out))
-    state_bytes = 2 * batch * HV * DK * DV * 4
+    conv_us = graph_us(lambda: conv_decode_step(mixed, conv_state, weight, slots, conv_out))
+    recurrent_us = graph_us(lambda: gdn_decode_step(conv_out, g, beta, state, slots, out, num_k_heads=H,
+                                                    head_k_dim=DK))
+    state_bytes = 2 * batch * HV * DK * DV * state.element_size()
     results = []
-    for block_v in (16, 32, 64, 128):
+    for block_v in (32, 64, 128):
         for num_warps in (2, 4, 8):
-            ms = time_ms(lambda: gdn_decode_step(conv_out, g, beta, state, slots, out, num_k_heads=H, head_k_dim=DK,
-                                                 block_v=block_v, num_warps=num_warps))
-            results.append((ms, block_v, num_warps))
-    results.sort()
-    default = next(ms for ms, bv, nw in results if bv == 64 and nw == 4)  # gdn_decode_step's defaults
-    best = results[0]
-    print(f"decode B={batch:4d}: conv {conv_ms * 1e3:6.1f} us; recurrent default {default * 1e3:7.1f} us "
-          f"({state_bytes / default / 1e6:6.0f} GB/s), best {best[0] * 1e3:7.1f} us "
-          f"({state_bytes / best[0] / 1e6:6.0f} GB/s) block_v {best[1]} warps {best[2]}")
+            for stream in (False, True):
+                micros = graph_us(lambda: gdn_decode_step(
+                    conv_out, g, beta, state, slots, out, num_k_heads=H, head_k_dim=DK, block_v=block_v,
+                    num_warps=num_warps, stream_state=stream))
+                results.append((micros, block_v, num_warps, stream))
+    best = min(results)
+    name = str(state_dtype).removeprefix("torch.")
+    print(f"decode B={batch:4d} {name} state: conv {conv_us:6.1f} us; recurrent (defaults) {recurrent_us:6.1f} us "
+          f"({state_bytes / recurrent_us / 1e3:5.0f} GB/s), best {best[0]:6.1f} us "
+          f"({state_bytes / best[0] / 1e3:5.0f} GB/s) block_v {best[1]} warps {best[2]} streaming {best[3]}",
+          flush=True)
+    for micros, block_v, num_warps, stream in sorted(results)[:4]:
+        print(f"    {micros:7.1f} us  block_v {block_v:3d} warps {num_warps} streaming {stream}")
+    if state_dtype == torch.float32:  # the conv does not depend on it
+        conv = sorted((graph_us(lambda: conv_decode_step(mixed, conv_state, weight, slots, conv_out, block_d=block_d,
+                                                         num_warps=num_warps)), block_d, num_warps)
+                      for block_d in (128, 256, 512, 1024, 2048) for num_warps in (2, 4, 8))
+        print("    conv (block_d, warps): " + ", ".join(f"{us:.1f} us ({bd}, {nw})" for us, bd, nw in conv[:4]))
 
 
 def chunk(num_tokens: int, num_seqs: int) -> None:
@@ -75,8 +102,9 @@ def chunk(num_tokens: int, num_seqs: int) -> None:
 
 
 def main() -> None:
-    for batch in (1, 16, 64, 256):
-        decode(batch)
+    for state_dtype in (torch.float32, torch.bfloat16):
+        for batch in (8, 64, 256):
+            decode(batch, state_dtype)
     for num_tokens, num_seqs in ((8192, 16), (8192, 256)):
         chunk(num_tokens, num_seqs)
 

@@ -67,6 +67,27 @@ def sampler_cases(iters: int) -> None:
                                        vocab, device="cuda")
     compare(f"sampler B={num_rows} V={vocab} top-p 0.9, peaked rows", lambda: sampler(peaked, metadata), iters)
     search_sweep(logits, seeds, positions, iters)
+    gumbel_sweep(seeds, positions, iters)
+
+
+def gumbel_sweep(seeds: list[int], positions: list[int], iters: int) -> None:
+    """The Gumbel-max kernel alone under other launch shapes, on near-flat rows (a random-weight
+    model's logits: every block draws noise) at decode batch sizes: picks the defaults."""
+    from weir.kernels import triton_sampler
+
+    vocab = 151936
+    print(f"Gumbel-max choice alone, near-flat rows, V={vocab} (defaults: {triton_sampler.GUMBEL_PROGRAMS_PER_SM} "
+          f"programs per SM, block {triton_sampler.GUMBEL_BLOCK}, {triton_sampler.GUMBEL_WARPS} warps)")
+    for num_rows in (256, 64, 8):
+        logits = torch.randn(num_rows, vocab, device="cuda") * 0.1
+        metadata = build_sampling_metadata([SamplingParams(temperature=0.6)] * num_rows, seeds[:num_rows],
+                                           positions[:num_rows], vocab, device="cuda")
+        for per_sm, block, warps in [(2, 1024, 4), (4, 1024, 4), (8, 1024, 4), (16, 1024, 4), (8, 2048, 8),
+                                     (16, 512, 4), (32, 512, 4), (8, 4096, 8)]:
+            micros = time_us(lambda: triton_sampler.choose_tokens_triton(logits, metadata, per_sm, block, warps),
+                             iters)
+            print(f"  B={num_rows:<4} {per_sm:>2} programs/SM block {block:>4} warps {warps}: {micros:>8.1f} us",
+                  flush=True)
 
 
 def search_sweep(logits: torch.Tensor, seeds: list[int], positions: list[int], iters: int) -> None:

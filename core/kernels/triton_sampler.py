@@ -34,6 +34,8 @@ LARGEST_BELOW_ONE: tl.constexpr = tl.constexpr(ops.LARGEST_BELOW_ONE)
 GUMBEL_MAX: tl.constexpr = tl.constexpr(17.0)
 GUMBEL_MIN: tl.constexpr = tl.constexpr(-3.0)
 GUMBEL_BLOCK = 1024
+GUMBEL_WARPS = 4
+GUMBEL_PROGRAMS_PER_SM = 16  # H200 sweep (bench_small_ops.py): 194 vs 233 us at batch 256
 
 
 @triton.jit
@@ -123,18 +125,27 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_tokens_triton(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """``Sampler.choose_tokens`` for logits ``[num_rows, vocab]`` fp32: ``[num_rows]`` int64."""
+def choose_tokens_triton(
+    logits: torch.Tensor,
+    metadata: SamplingMetadata,
+    programs_per_sm: int = GUMBEL_PROGRAMS_PER_SM,
+    block: int = GUMBEL_BLOCK,
+    num_warps: int = GUMBEL_WARPS,
+) -> torch.Tensor:
+    """``Sampler.choose_tokens`` for logits ``[num_rows, vocab]`` fp32: ``[num_rows]`` int64.
+
+    The launch shape arguments exist for ``scripts/bench_small_ops.py``'s sweep."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     num_rows, vocab_size = logits.shape
     if num_rows == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device)
     thresholds = filter_thresholds_triton(logits, metadata)  # [num_rows] fp32, or None
-    # Enough programs to fill the device twice over; a split covers whole blocks.
-    max_splits = triton.cdiv(vocab_size, GUMBEL_BLOCK)
-    num_splits = max(1, min(max_splits, triton.cdiv(2 * _num_sms(logits.device), num_rows)))
-    tokens_per_split = triton.cdiv(max_splits, num_splits) * GUMBEL_BLOCK
+    # Each program walks its split block by block, every block's load waiting on the one before:
+    # the row count alone leaves too few programs in flight, so the vocabulary is split too.
+    max_splits = triton.cdiv(vocab_size, block)
+    num_splits = max(1, min(max_splits, triton.cdiv(programs_per_sm * _num_sms(logits.device), num_rows)))
+    tokens_per_split = triton.cdiv(max_splits, num_splits) * block
     num_splits = triton.cdiv(vocab_size, tokens_per_split)
     best_scores = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)  # per split
     best_tokens = torch.empty(num_rows, num_splits, dtype=torch.int64, device=logits.device)
@@ -143,7 +154,7 @@ def choose_tokens_triton(logits: torch.Tensor, metadata: SamplingMetadata) -> to
         metadata.temperature, metadata.top_k, metadata.seeds, metadata.positions,
         thresholds if thresholds is not None else metadata.temperature,
         best_scores, best_tokens, vocab_size, tokens_per_split,
-        HAS_THRESHOLD=thresholds is not None, BLOCK=GUMBEL_BLOCK, num_warps=4,
+        HAS_THRESHOLD=thresholds is not None, BLOCK=block, num_warps=num_warps,
     )
     if num_splits == 1:
         return best_tokens[:, 0]

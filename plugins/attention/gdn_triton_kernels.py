@@ -63,7 +63,7 @@ def gdn_decode_kernel(
     out_ptr, stride_o_req, stride_o_head,  # [B, HV, Dv], Dv contiguous
     scale, eps,
     KEY_DIM: tl.constexpr, HEAD_K: tl.constexpr, HEAD_V: tl.constexpr, V_HEADS_PER_K_HEAD: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, STREAM_STATE: tl.constexpr,
 ):
     """One gated delta-rule step for one (request, value head, Dv tile), state updated in place."""
     req = tl.program_id(0)
@@ -88,17 +88,24 @@ def gdn_decode_kernel(
     state_tile = (state_ptr + slot * stride_s_slot + v_head * stride_s_head
                   + rows_k[:, None] * stride_s_k + cols_v[None, :])  # [BLOCK_K, BLOCK_V]
     tile_mask = mask_k[:, None] & mask_v[None, :]
-    state = tl.load(state_tile, mask=tile_mask, other=0.0).to(tl.float32) * decay  # [BLOCK_K, BLOCK_V]
+    if STREAM_STATE:  # each state byte is read and written once per step: keep it out of L2
+        state = tl.load(state_tile, mask=tile_mask, other=0.0, eviction_policy="evict_first")
+    else:
+        state = tl.load(state_tile, mask=tile_mask, other=0.0)
+    state = state.to(tl.float32) * decay  # [BLOCK_K, BLOCK_V]
     predicted_v = tl.sum(state * k[:, None], axis=0)  # [BLOCK_V]: S^T k, what the state recalls for k
     correction = beta * (v - predicted_v)  # [BLOCK_V]
     state = state + k[:, None] * correction[None, :]
     out = tl.sum(state * q[:, None], axis=0)  # [BLOCK_V]: S^T q
-    tl.store(state_tile, state.to(state_ptr.dtype.element_ty), mask=tile_mask)  # fp32 math, one rounding
+    if STREAM_STATE:  # fp32 math, one rounding
+        tl.store(state_tile, state.to(state_ptr.dtype.element_ty), mask=tile_mask, cache_modifier=".cs")
+    else:
+        tl.store(state_tile, state.to(state_ptr.dtype.element_ty), mask=tile_mask)
     tl.store(out_ptr + req.to(tl.int64) * stride_o_req + v_head * stride_o_head + cols_v,
              out.to(out_ptr.dtype.element_ty), mask=mask_v)
 
 
-def conv_decode_step(x, conv_state, weight, state_indices, out, block_d: int = 256):
+def conv_decode_step(x, conv_state, weight, state_indices, out, block_d: int = 256, num_warps: int = 4):
     """Causal depthwise conv + SiLU for one token per request, updating ``conv_state`` in place.
 
     ``x [B, D]`` (this step's inputs), ``conv_state [S, D, K]`` (slot-indexed, oldest tap first),
@@ -119,13 +126,14 @@ def conv_decode_step(x, conv_state, weight, state_indices, out, block_d: int = 2
     conv_decode_kernel[(num_reqs, triton.cdiv(dim, block_d))](
         x, x.stride(0), conv_state, conv_state.stride(0), conv_state.stride(1), weight, weight.stride(0),
         state_indices, out, out.stride(0), dim,
-        KERNEL=kernel_width, BLOCK_K=triton.next_power_of_2(kernel_width), BLOCK_D=block_d, num_warps=4,
+        KERNEL=kernel_width, BLOCK_K=triton.next_power_of_2(kernel_width), BLOCK_D=block_d, num_warps=num_warps,
     )
     return out
 
 
 def gdn_decode_step(mixed_qkv, g, beta, recurrent_state, state_indices, out, *, num_k_heads: int,
-                    head_k_dim: int, block_v: int = 64, num_warps: int = 4, eps: float = 1e-6):
+                    head_k_dim: int, block_v: int = 64, num_warps: int | None = None,
+                    stream_state: bool | None = None, eps: float = 1e-6):
     """One gated delta-rule step per request, on the request's slot of ``recurrent_state``.
 
     ``mixed_qkv [B, conv_dim]`` is the conv output (q | k | v channels), ``g [B, HV]`` fp32
@@ -155,6 +163,12 @@ def gdn_decode_step(mixed_qkv, g, beta, recurrent_state, state_indices, out, *, 
         raise ValueError("gdn_decode_step needs mixed_qkv rows, recurrent_state rows and out rows contiguous")
     if num_reqs == 0:
         return out
+    # H200 sweep at Qwen3-Next shapes (scripts/bench_gdn.py): fp32 states are fastest with 4 warps
+    # and default caching (3.74 TB/s at batch 256); 16-bit ones with 2 warps and streaming hints
+    # (181 vs 197 us at batch 256, the fp32 choices).
+    sixteen_bit = recurrent_state.element_size() == 2
+    num_warps = num_warps or (2 if sixteen_bit else 4)
+    stream_state = sixteen_bit if stream_state is None else stream_state
     block_v = min(block_v, triton.next_power_of_2(head_v_dim))
     gdn_decode_kernel[(num_reqs, num_v_heads, triton.cdiv(head_v_dim, block_v))](
         mixed_qkv, mixed_qkv.stride(0), g, g.stride(0), beta, beta.stride(0),
@@ -162,7 +176,8 @@ def gdn_decode_step(mixed_qkv, g, beta, recurrent_state, state_indices, out, *, 
         state_indices, out, out.stride(0), out.stride(1),
         head_k_dim ** -0.5, eps,
         KEY_DIM=key_dim, HEAD_K=head_k_dim, HEAD_V=head_v_dim, V_HEADS_PER_K_HEAD=num_v_heads // num_k_heads,
-        BLOCK_K=triton.next_power_of_2(head_k_dim), BLOCK_V=block_v, num_warps=num_warps,
+        BLOCK_K=triton.next_power_of_2(head_k_dim), BLOCK_V=block_v, STREAM_STATE=stream_state,
+        num_warps=num_warps,
     )
     return out
 
