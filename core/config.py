@@ -169,6 +169,7 @@ class EngineArgs:
         files = resolve_model_files(self.model, self.tokenizer)
         hf_config = files.hf_config
         architecture = files.architecture
+        _check_unquantized(hf_config, files.display_name, self.load_format)
         dtype = _resolve_dtype(self.dtype, hf_config, platform_device_type)
         model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 4096
         max_model_len = self.max_model_len or model_max
@@ -255,6 +256,23 @@ def _as_kind(kind: str, value: Any, paths_allowed: bool) -> Any:
     if isinstance(value, str):
         return value
     return os.fspath(value) if paths_allowed and isinstance(value, os.PathLike) else None
+
+
+def _check_unquantized(hf_config, model_name: str, load_format: str) -> None:
+    """Refuse quantized checkpoints (FP8, GPTQ, AWQ...): their weights would fail to load with
+    errors about unexpected scale tensors, or load as plain values without their scales."""
+    quantization = getattr(hf_config, "quantization_config", None)
+    if not quantization:
+        return
+    method = (quantization.get("quant_method") if isinstance(quantization, dict)
+              else getattr(quantization, "quant_method", None))
+    if load_format == "dummy":  # random weights in the model dtype: the config's shapes are what counts
+        logger.warning("%s is quantized (quant_method %r); load_format='dummy' gives it random unquantized "
+                       "weights", model_name, method)
+        return
+    raise ValueError(f"{model_name} is a quantized checkpoint (quantization_config with quant_method {method!r}); "
+                     f"Weir loads unquantized weights only (bfloat16, float16 or float32): use the "
+                     f"checkpoint's unquantized release")
 
 
 def _resolve_dtype(name: str, hf_config: Any, device_type: str) -> torch.dtype:

@@ -72,6 +72,20 @@ def test_unknown_architecture_lists_known_ones(tiny_llama_path, tmp_path):
         LLM(str(copy), device="cpu")
 
 
+def test_quantized_checkpoints_are_refused_by_name(tiny_llama_path, tmp_path, caplog):
+    copy = shutil.copytree(tiny_llama_path, tmp_path / "fp8")
+    config = json.loads((copy / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"fp8.*quantized checkpoint.*quant_method 'fp8'.*unquantized"):
+        LLM(str(copy), device="cpu")
+    # Random weights only need the shapes: a benchmark of a quantized release's config still runs.
+    llm = LLM(str(copy), device="cpu", load_format="dummy", max_model_len=64)
+    assert "quant_method 'fp8'" in caplog.text
+    assert len(llm.generate("hi", SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0]
+               .outputs[0].token_ids) == 2
+
+
 def test_kv_cache_too_small_for_max_model_len(tiny_llama_path):
     with pytest.raises(ValueError, match="fewer than max_model_len=256"):
         LLM(str(tiny_llama_path), device="cpu", max_model_len=256, kv_cache_memory_bytes=4096)
