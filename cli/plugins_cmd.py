@@ -31,6 +31,7 @@ def _row(kind: str, name: str, registered: Registered) -> dict[str, Any]:
         "available": False,
         "active": False,
         "reason": "",
+        "layer_kinds": [],  # attention backends: the layer kinds they serve
     }
 
 
@@ -56,6 +57,8 @@ def describe_plugins(registry: PluginRegistry) -> list[dict[str, Any]]:
                                  else str(error))
                 rows.append(row)
                 continue
+            if kind == "attention":
+                row["layer_kinds"] = sorted(getattr(target_cls, "supported_layer_kinds", ()))
             if kind == "platform":
                 row["available"], row["reason"] = registry.platform_availability(name)
                 row["active"] = active_platform is not None and active_platform.name == name
@@ -65,9 +68,12 @@ def describe_plugins(registry: PluginRegistry) -> list[dict[str, Any]]:
                 row["reason"] = no_platform_reason
             else:
                 device_type = active_platform.device_type
-                missing_package = getattr(target_cls, "unavailable_reason", lambda: None)()
-                row["available"] = device_type in target_cls.supported_devices and not missing_package
-                if device_type not in target_cls.supported_devices:
+                missing_package = target_cls.unavailable_reason()
+                # supports() rather than supported_devices: a backend may override it.
+                runs_here = (target_cls.supports(device_type, set(row["layer_kinds"])) if kind == "attention"
+                             else target_cls.supports(device_type))
+                row["available"] = runs_here and not missing_package
+                if not runs_here:
                     row["reason"] = f"does not support device type {device_type!r}"
                 elif missing_package:
                     row["reason"] = missing_package
@@ -87,7 +93,8 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
             available = "yes (active)" if row["active"] else "yes"
         else:
             available = f"no: {row['reason']}" if row["reason"] else "no"
-        table.add_row(row["kind"], row["name"], row["provider"], row["target"], available)
+        kind = f"{row['kind']} ({', '.join(row['layer_kinds'])})" if row["layer_kinds"] else row["kind"]
+        table.add_row(kind, row["name"], row["provider"], row["target"], available)
     Console().print(table)
 
 

@@ -53,8 +53,10 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """A way to compute attention over the paged KV cache.
 
-    Subclasses declare the devices and layer kinds they support; the platform picks the first
-    of its preferred backends that supports every attention layer of the model.
+    Subclasses declare the devices and layer kinds they support. Each layer kind of a model gets
+    its own backend (``weir.selection``): the one the user names, else the first of the
+    platform's preferred backends that serves it. Registered through the
+    ``weir_attention_backends`` hook; constructed as ``cls(block_size, dtype, device)``.
     """
 
     name: ClassVar[str]
@@ -73,6 +75,11 @@ class AttentionBackend(ABC):
     def supports(cls, device_type: str, layer_kinds: set[str]) -> bool:
         """Whether the backend runs on this device type and serves every one of these layer kinds."""
         return device_type in cls.supported_devices and layer_kinds <= cls.supported_layer_kinds
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why the backend cannot run in this environment (a missing package), or None."""
+        return None
 
     def kv_cache_shape(self, num_blocks: int, layer: AttentionLayerSpec) -> tuple[int, ...]:
         """Shape of one layer's cache tensor: K and V stacked on the first axis."""

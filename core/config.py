@@ -129,7 +129,9 @@ class EngineArgs:
     async_scheduling: bool = field(default=True, metadata=_help(
         "schedule the next step while the current one runs"))
     tensor_parallel_size: int = field(default=1, metadata=_help("devices to shard the model over"))
-    attention_backend: str | None = field(default=None, metadata=_help("attention backend (default: platform's)"))
+    attention_backend: str | None = field(default=None, metadata=_help(
+        "attention backend, or several separated by commas (e.g. triton,gdn_torch); each serves the layer "
+        "kinds it supports, the platform's defaults serve the rest"))
     moe_backend: str | None = field(default=None, metadata=_help("MoE backend (default: platform's)"))
     seed: int = field(default=0, metadata=_help("seed for requests that set none"))
     max_logprobs: int = field(default=20, metadata=_help("most top logprobs a request may ask for"))

@@ -114,9 +114,12 @@ class LLMEngine:
         # and a misspelt name would otherwise pass unnoticed.
         for option, table in (("attention_backend", registry.attention_backends),
                               ("moe_backend", registry.moe_backends)):
-            name = getattr(args, option)
-            if name is not None and name not in table:
-                raise ValueError(f"{option} {name!r} is not registered; known: {', '.join(sorted(table))}")
+            value = getattr(args, option)
+            names = [name.strip() for name in value.split(",")] if option == "attention_backend" and value else [value]
+            for name in names:
+                if name is not None and name not in table:
+                    raise ValueError(f"{option} {name!r} is not registered; known: {', '.join(sorted(table))}"
+                                     f"{registry.restriction_note()}")
         platform = registry.select_platform(args.device)
         wait_for_device = platform.start_device_setup()
         platform_seconds = time.perf_counter() - start

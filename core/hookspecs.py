@@ -30,7 +30,11 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class AttentionBackendSpec:
-    """An attention backend; the target class implements ``weir.attention.AttentionBackend``."""
+    """An attention backend. The target class implements ``weir.attention.AttentionBackend``
+    (paged-KV attention) or ``weir.linear_attention.LinearAttentionBackend`` (layers with a
+    per-request state, such as Gated DeltaNet); its ``supported_layer_kinds`` say which layers it
+    serves, and a hybrid model gets one backend per layer kind. ``name`` is what users select
+    (``attention_backend=``); it should equal the class's ``name``, which the logs show."""
 
     name: str
     target: str
@@ -39,7 +43,9 @@ class AttentionBackendSpec:
 
 @dataclass(frozen=True)
 class MoEBackendSpec:
-    """An expert-computation backend; the target implements ``weir.moe.MoEBackend``."""
+    """An expert-computation backend; the target implements ``weir.moe.MoEBackend`` and is
+    constructed with no arguments. ``name`` is what users select (``moe_backend=``); it should
+    equal the class's ``name``, which the logs show."""
 
     name: str
     target: str

@@ -28,7 +28,7 @@ GATED_DELTA_NET = "gated_delta_net"
 
 @dataclass(frozen=True)
 class GatedDeltaNetLayerSpec:
-    """Shapes of one Gated DeltaNet layer (``reference/models.md`` §3.3).
+    """Shapes of one Gated DeltaNet layer (as Qwen3-Next's ``linear_*`` config fields give them).
 
     Value head ``h`` uses q/k head ``h // (num_v_heads // num_k_heads)``.
     """
@@ -90,9 +90,20 @@ class LayerState:
 class LinearAttentionBackend(ABC):
     """A way to run Gated DeltaNet layers over per-request state slots.
 
-    The model computes the projections and the gates; the backend runs the short causal conv
-    (with SiLU), splits q/k/v, L2-normalises q and k, scales q by ``head_k_dim ** -0.5`` and runs
-    the gated delta rule, reading and updating each request's slot.
+    The model computes the projections and the gates; the backend, per request and token:
+
+    1. shifts the token's pre-conv channels into the slot's conv window and takes
+       ``SiLU(sum_j window[:, j] * conv_weight[:, j])`` in fp32, rounded to the model dtype;
+    2. splits the result into q ``[H, Dk]``, k ``[H, Dk]``, v ``[HV, Dv]`` (value head ``h`` uses
+       q/k head ``h // (HV // H)``) and, in fp32, L2-normalises q and k as
+       ``x * rsqrt(sum(x^2) + 1e-6)``, then scales q by ``Dk ** -0.5``;
+    3. runs the gated delta rule in fp32 on the slot's state ``S [HV, Dk, Dv]``:
+       ``S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q``, with ``beta`` read as fp32;
+    4. returns ``o`` in the model dtype and leaves the conv window and ``S`` in the slot.
+
+    ``weir.plugins.attention.gdn_torch`` is the reference. Registered through the
+    ``weir_attention_backends`` hook (its ``supported_layer_kinds`` say ``gated_delta_net``) and
+    constructed as ``cls(dtype, device, state_dtype)``.
     """
 
     name: ClassVar[str]

@@ -1,6 +1,6 @@
 """The MoE-backend interface: compute a layer's experts for a batch of tokens.
 
-Expert weights use the fused transformers 5.x layout (``reference/models.md`` §0.7, §1.4):
+Expert weights use the fused layout of transformers 5.x MoE modules:
 ``w_gate_up [num_experts, 2 * intermediate, hidden]`` with the gate rows first, then the up
 rows, and ``w_down [num_experts, hidden, intermediate]``. Each expert computes
 ``down(act(gate(x)) * up(x))``; a token's output is the routing-weighted sum over its top-k.
@@ -57,7 +57,11 @@ class MoEBackend(ABC):
     ``forward`` routes (``route``: softmax, top-k, optional renormalisation of the top-k weights)
     and then calls ``experts``. Models with their own routing (sigmoid scores, grouped top-k,
     bias correction) compute weights and ids themselves and call ``experts`` directly. A backend
-    may override ``route`` with a fused kernel, or ``forward`` to route inside its expert kernels.
+    may override ``route`` with a fused kernel, or ``forward`` to route inside its expert kernels
+    (taking every argument of ``forward`` below: models with shared experts pass them).
+
+    Registered through the ``weir_moe_backends`` hook (``MoEBackendSpec``, whose ``name`` should
+    equal the class's ``name``) and constructed with no arguments, once per engine.
     """
 
     name: ClassVar[str]
@@ -69,6 +73,12 @@ class MoEBackend(ABC):
     def supports(cls, device_type: str) -> bool:
         """Whether the backend runs on this device type."""
         return device_type in cls.supported_devices
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why the backend cannot run in this environment (a missing kernel package), or None;
+        selection then skips it, or refuses it by name when the user asked for it."""
+        return None
 
     def forward(
         self,
@@ -124,13 +134,14 @@ class MoEBackend(ABC):
     def experts(
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden]
-        topk_weights: torch.Tensor,  # [num_tokens, top_k]
-        topk_ids: torch.Tensor,  # [num_tokens, top_k] int64 expert ids
+        topk_weights: torch.Tensor,  # [num_tokens, slots] fp32; slots = top_k + num_shared_experts
+        topk_ids: torch.Tensor,  # [num_tokens, slots] integer expert ids (int64 from torch.topk)
         w_gate_up: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]
         w_down: torch.Tensor,  # [num_experts, hidden, intermediate]
         activation: str = "silu",
     ) -> torch.Tensor:  # [num_tokens, hidden], in hidden's dtype
-        """Sum over each token's experts of ``weight * down(act(gate(x)) * up(x))``."""
+        """Sum over each token's slots of ``weight * down(act(gate(x)) * up(x))``; shared-expert
+        slots (``append_shared_experts``) are computed like routed ones."""
 
 
 def append_shared_experts(

@@ -34,6 +34,8 @@ from weir.platform import Platform
 
 BUILTIN_DISTRIBUTION = "weir-engine"
 PLUGINS_ENV_VAR = "WEIR_PLUGINS"
+# Weir's own entry points (pyproject.toml): WEIR_PLUGINS must name them too, or they do not load.
+BUILTIN_ENTRY_POINTS = ("builtin_models", "builtin_attention", "builtin_moe_backends", "builtin_platforms")
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +92,8 @@ class PluginRegistry:
         self.attention_backends: dict[str, Registered] = {}
         self.moe_backends: dict[str, Registered] = {}
         self.platforms: dict[str, Registered] = {}
+        # The entry points WEIR_PLUGINS allowed (None: all), for error messages.
+        self.allowed_plugins: set[str] | None = None
 
     def register_module(
         self, plugin: object, name: str, distribution: str = "(not packaged)", version: str = ""
@@ -137,6 +141,13 @@ class PluginRegistry:
             )
         table[key] = new
 
+    def restriction_note(self) -> str:
+        """For "not found" errors: a reminder that WEIR_PLUGINS held some plugins back, or ''."""
+        if self.allowed_plugins is None:
+            return ""
+        return (f" ({PLUGINS_ENV_VAR}={','.join(sorted(self.allowed_plugins))} loads only those entry points; "
+                f"Weir's own are {', '.join(BUILTIN_ENTRY_POINTS)})")
+
     # -- resolution: import a spec's "module:Class" target on demand --------------------------
 
     def resolve_model(self, architecture: str) -> type:
@@ -174,7 +185,7 @@ class PluginRegistry:
         if key not in table:
             label = _HOOK_KINDS[attribute].label
             known = ", ".join(sorted(table)) or "(none registered)"
-            raise ValueError(f"unknown {label} {key!r}; known: {known}")
+            raise ValueError(f"unknown {label} {key!r}; known: {known}{self.restriction_note()}")
         target_cls = import_target(table[key])
         bases = _INTERFACES.get(attribute)
         if bases is not None and not (isinstance(target_cls, type) and issubclass(target_cls, bases)):
@@ -185,6 +196,15 @@ class PluginRegistry:
                 f"plugin {registered.plugin_name!r} (package {registered.distribution}): target "
                 f"{registered.spec.target!r} is not a subclass of {names}"
             )
+        if attribute in ("attention_backends", "moe_backends"):
+            lacking = [name for name in ("name", "supported_devices") if not hasattr(target_cls, name)]
+            if lacking:
+                registered = table[key]
+                raise PluginError(
+                    f"plugin {registered.plugin_name!r} (package {registered.distribution}): backend class "
+                    f"{registered.spec.target!r} lacks the class attribute(s) {', '.join(lacking)} (every backend "
+                    f"declares name and supported_devices, e.g. frozenset({{'cpu'}}))"
+                )
         return target_cls
 
     # -- selection: which platform and backends a run uses (rules in weir.selection) --------
@@ -267,6 +287,7 @@ def load_plugins(allowed: set[str] | None = None) -> PluginRegistry:
                 f"{', '.join(sorted(missing))}; installed plugins: {installed}"
             )
     registry = PluginRegistry()
+    registry.allowed_plugins = allowed
     for entry_point in entry_points:
         if allowed is not None and entry_point.name not in allowed:
             continue

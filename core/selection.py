@@ -34,10 +34,8 @@ def select_platform(registry: "PluginRegistry", device: str | None) -> Platform:
         if available:
             return registry.resolve_platform(name)()
         reasons.append(f"{name}: {reason}")
-    raise RuntimeError(
-        "no platform is available: "
-        + ("; ".join(reasons) if reasons else "no platform plugin is registered")
-    )
+    none_registered = "no platform plugin is registered" + registry.restriction_note()
+    raise RuntimeError("no platform is available: " + ("; ".join(reasons) if reasons else none_registered))
 
 
 def select_attention_backend(
@@ -45,12 +43,13 @@ def select_attention_backend(
 ) -> type:
     def missing(backend_cls: type) -> list[str]:
         problems = []
-        if platform.device_type not in backend_cls.supported_devices:
-            problems.append(f"device type {platform.device_type!r}")
-        unsupported_kinds = set(layer_kinds) - set(backend_cls.supported_layer_kinds)
-        if unsupported_kinds:
-            problems.append(f"layer kinds {sorted(unsupported_kinds)}")
-        unavailable = getattr(backend_cls, "unavailable_reason", lambda: None)()
+        if not backend_cls.supports(platform.device_type, set(layer_kinds)):
+            unsupported_kinds = set(layer_kinds) - set(backend_cls.supported_layer_kinds)
+            if unsupported_kinds:
+                problems.append(f"layer kinds {sorted(unsupported_kinds)}")
+            if platform.device_type not in backend_cls.supported_devices or not unsupported_kinds:
+                problems.append(f"device type {platform.device_type!r}")
+        unavailable = backend_cls.unavailable_reason()
         if unavailable:
             problems.append(f"this environment ({unavailable})")
         return problems
@@ -66,27 +65,37 @@ def select_attention_backends(
 ) -> dict[str, type]:
     """One backend per layer kind (a hybrid model mixes paged and linear attention).
 
-    ``requested`` serves every kind it supports; the others get the platform's defaults. A
-    requested backend that serves none of the model's kinds is an error.
+    ``requested`` is one backend name or several separated by commas (``"triton,gdn_naive"``).
+    Each serves the model's kinds it supports; the others get the platform's defaults. A
+    requested backend that serves none of the model's kinds, or two that serve the same kind,
+    is an error.
     """
-    if requested is not None:
-        requested_cls = registry.resolve_attention_backend(requested)
-        served = {kind for kind in layer_kinds if kind in requested_cls.supported_layer_kinds}
+    names = [name.strip() for name in (requested or "").split(",") if name.strip()]
+    chosen_by_kind: dict[str, str] = {}
+    for name in names:
+        backend_cls = registry.resolve_attention_backend(name)  # unknown name -> ValueError
+        served = {kind for kind in layer_kinds if kind in backend_cls.supported_layer_kinds}
         if not served:  # raises, naming what the requested backend lacks
-            select_attention_backend(registry, platform, layer_kinds, requested)
-        select_attention_backend(registry, platform, served, requested)  # device check
-    chosen = {}
-    for kind in sorted(layer_kinds):
-        use_requested = requested is not None and kind in requested_cls.supported_layer_kinds
-        chosen[kind] = select_attention_backend(registry, platform, {kind}, requested if use_requested else None)
-    return chosen
+            select_attention_backend(registry, platform, layer_kinds, name)
+        select_attention_backend(registry, platform, served, name)  # device and environment checks
+        for kind in sorted(served):
+            if kind in chosen_by_kind:
+                raise ValueError(f"attention backends {chosen_by_kind[kind]!r} and {name!r} both serve layer "
+                                 f"kind {kind!r}; request one of them")
+            chosen_by_kind[kind] = name
+    return {kind: select_attention_backend(registry, platform, {kind}, chosen_by_kind.get(kind))
+            for kind in sorted(layer_kinds)}
 
 
 def select_moe_backend(registry: "PluginRegistry", platform: Platform, requested: str | None) -> type:
     def missing(backend_cls: type) -> list[str]:
-        if platform.device_type in backend_cls.supported_devices:
-            return []
-        return [f"device type {platform.device_type!r}"]
+        problems = []
+        if not backend_cls.supports(platform.device_type):
+            problems.append(f"device type {platform.device_type!r}")
+        unavailable = backend_cls.unavailable_reason()
+        if unavailable:
+            problems.append(f"this environment ({unavailable})")
+        return problems
 
     return _select(
         "MoE backend", registry.moe_backends, registry.resolve_moe_backend,

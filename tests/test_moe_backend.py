@@ -110,3 +110,25 @@ def test_backend_overriding_forward_with_the_older_signature_still_runs_unshared
     output = experts(hidden, router_logits, 2, True, SimpleNamespace(moe_backend=OlderSignature()))
     expected = TorchMoEBackend().forward(hidden, router_logits, experts.gate_up_proj, experts.down_proj, 2, True)
     torch.testing.assert_close(output, expected)
+    # A layer with a shared expert needs the newer arguments: the error names the backend and them.
+    shared = FusedExperts(4, 8, 6, num_shared_experts=1)
+    with pytest.raises(TypeError, match="MoE backend 'torch' overrides forward without the num_shared_experts"):
+        shared(hidden, router_logits, 2, True, SimpleNamespace(moe_backend=OlderSignature()),
+               shared_gate_logits=torch.zeros(3, 1))
+
+
+def test_a_backend_output_of_the_wrong_shape_is_named():
+    from types import SimpleNamespace
+
+    from weir.layers.moe import FusedExperts
+
+    class Transposed(TorchMoEBackend):
+        name = "transposed"
+
+        def experts(self, *args, **kwargs):
+            return super().experts(*args, **kwargs).t()
+
+    experts = FusedExperts(4, 8, 6)
+    with pytest.raises(RuntimeError, match=r"MoE backend 'transposed' returned torch.float32 \(8, 3\); expected "
+                                           r"torch.float32 \(3, 8\)"):
+        experts(torch.randn(3, 8), torch.randn(3, 4), 2, True, SimpleNamespace(moe_backend=Transposed()))

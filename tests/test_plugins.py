@@ -273,3 +273,83 @@ def test_cli_plugins_lists_a_target_that_is_not_a_backend(monkeypatch):
 
     row = {row["name"]: row for row in describe_plugins(registry)}["funky"]
     assert not row["available"] and "not a subclass of" in row["reason"] and "funky-dist" in row["reason"]
+
+
+def test_several_requested_attention_backends_serve_their_kinds():
+    from weir.plugins.attention.gdn_torch import TorchGDNBackend
+
+    registry = _cpu_registry()
+    cpu = registry.select_platform("cpu")
+    kinds = {"full_attention", "gated_delta_net"}
+    expected = {"full_attention": TorchAttentionBackend, "gated_delta_net": TorchGDNBackend}
+    assert registry.select_attention_backends(cpu, kinds, "torch, gdn_torch") == expected
+    with pytest.raises(ValueError, match="'torch' and 'torch' both serve layer kind 'full_attention'"):
+        registry.select_attention_backends(cpu, kinds, "torch,torch")
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        registry.select_attention_backends(cpu, kinds, "torch,flash")
+
+
+class _CpuByOverride(TorchAttentionBackend):
+    """Declares no CPU in supported_devices but says yes in supports(): supports() decides."""
+
+    name = "by_override"
+    supported_devices = frozenset({"tpu"})
+
+    @classmethod
+    def supports(cls, device_type, layer_kinds):
+        return device_type == "cpu" and layer_kinds <= cls.supported_layer_kinds
+
+
+def test_selection_asks_supports_and_unavailable_reason(monkeypatch):
+    from weir.moe import MoEBackend
+    from weir.plugins.moe_backends.torch_ref import TorchMoEBackend
+
+    class NeedsKernels(TorchMoEBackend):
+        name = "needs_kernels"
+
+        @classmethod
+        def unavailable_reason(cls):
+            return "the kernels package is not installed"
+
+    monkeypatch.setitem(sys.modules, "weir_test_backends",
+                        types.SimpleNamespace(ByOverride=_CpuByOverride, NeedsKernels=NeedsKernels))
+    registry = _cpu_registry()
+    registry.register_module(_plugin(
+        weir_attention_backends=[AttentionBackendSpec("by_override", "weir_test_backends:ByOverride")],
+        weir_moe_backends=[MoEBackendSpec("needs_kernels", "weir_test_backends:NeedsKernels")]), "third")
+    cpu = registry.select_platform("cpu")
+    assert registry.select_attention_backend(cpu, {"full_attention"}, "by_override") is _CpuByOverride
+    with pytest.raises(ValueError, match="'needs_kernels' does not support this environment \\(the kernels"):
+        registry.select_moe_backend(cpu, "needs_kernels")
+    assert MoEBackend.unavailable_reason() is None
+    from weir.cli.plugins_cmd import describe_plugins
+
+    rows = {row["name"]: row for row in describe_plugins(registry)}
+    assert rows["by_override"]["available"] and rows["by_override"]["layer_kinds"] == ["full_attention"]
+    assert rows["gdn_torch"]["layer_kinds"] == ["gated_delta_net"]
+    assert not rows["needs_kernels"]["available"] and "kernels package" in rows["needs_kernels"]["reason"]
+
+
+def test_backend_without_its_class_attributes_is_named(monkeypatch):
+    from weir.moe import MoEBackend
+
+    class Nameless(MoEBackend):
+        def experts(self, *args, **kwargs):
+            raise NotImplementedError
+
+    monkeypatch.setitem(sys.modules, "weir_test_nameless", types.SimpleNamespace(Nameless=Nameless))
+    registry = PluginRegistry()
+    registry.register_module(_plugin(weir_moe_backends=[MoEBackendSpec("nameless", "weir_test_nameless:Nameless")]),
+                             "lazy", distribution="lazy-dist")
+    with pytest.raises(PluginError, match="'lazy'.*lacks the class attribute\\(s\\) name, supported_devices"):
+        registry.resolve_moe_backend("nameless")
+
+
+def test_weir_plugins_restriction_is_named_when_something_is_missing(monkeypatch):
+    monkeypatch.setenv("WEIR_PLUGINS", "builtin_moe_backends")
+    registry = load_plugins()
+    with pytest.raises(ValueError, match="unknown platform 'cpu'.*WEIR_PLUGINS=builtin_moe_backends loads only "
+                                         "those entry points; Weir's own are builtin_models"):
+        registry.select_platform("cpu")
+    with pytest.raises(RuntimeError, match="no platform plugin is registered \\(WEIR_PLUGINS="):
+        registry.select_platform(None)

@@ -278,3 +278,27 @@ def test_served_over_http_with_concurrent_streams(checkpoint, references):
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             texts = list(pool.map(stream, prompts))
     assert texts == [o.outputs[0].text for o in offline]
+
+
+def test_a_linear_attention_backend_output_of_the_wrong_shape_is_named(checkpoint):
+    """A third-party DeltaNet backend that returns ``[T, HV * Dv]`` fails at its layer, by name,
+    instead of inside the gated norm with a size mismatch."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from weir.plugins.models.qwen3_next import GatedDeltaNet
+
+    class Flattened:
+        name = "flattened"
+
+        def forward(self, layer, mixed_qkv, g, beta, conv_weight, state, metadata):
+            return mixed_qkv.new_zeros(mixed_qkv.shape[0], layer.value_dim)
+
+    layer = GatedDeltaNet(AutoConfig.from_pretrained(checkpoint), layer_idx=0)
+    for parameter in layer.parameters():
+        torch.nn.init.normal_(parameter, std=0.02)
+    ctx = SimpleNamespace(linear_attn_backend=Flattened(), layer_states={0: None}, linear_attn_metadata=None)
+    with pytest.raises(RuntimeError, match=r"linear-attention backend 'flattened' returned torch.float32 \(3, 64\); "
+                                           r"expected torch.float32 \(3, 4, 16\)"):
+        layer(torch.arange(3), torch.randn(3, layer.in_proj.weight.shape[1]), ctx)

@@ -85,11 +85,25 @@ class FusedExperts(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]: routed experts plus (gated) shared experts
         if ctx.moe_backend is None:
             raise RuntimeError("this model has MoE layers, but the forward context has no MoE backend")
-        shared = {}  # only when used: a backend overriding forward before shared experts existed still works
+        # Passed only when used: a backend whose forward override predates shared experts still
+        # serves models without them.
+        shared = {}
         if self.num_shared_experts or shared_gate_logits is not None:
             shared = dict(num_shared_experts=self.num_shared_experts, shared_gate_logits=shared_gate_logits)
-        return ctx.moe_backend.forward(hidden_states, router_logits, self.gate_up_proj, self.down_proj,
-                                       top_k, renormalize, self.activation, **shared)
+        backend = ctx.moe_backend
+        try:
+            out = backend.forward(hidden_states, router_logits, self.gate_up_proj, self.down_proj, top_k,
+                                  renormalize, self.activation, **shared)
+        except TypeError as error:
+            if shared and "num_shared_experts" in str(error):
+                raise TypeError(f"MoE backend {backend.name!r} overrides forward without the num_shared_experts "
+                                f"and shared_gate_logits arguments this model's shared experts need "
+                                f"(weir.moe.MoEBackend.forward): {error}") from error
+            raise
+        if out.shape != hidden_states.shape or out.dtype != hidden_states.dtype:
+            raise RuntimeError(f"MoE backend {backend.name!r} returned {out.dtype} {tuple(out.shape)}; expected "
+                               f"{hidden_states.dtype} {tuple(hidden_states.shape)} (tokens, hidden)")
+        return out
 
     def extra_repr(self) -> str:
         hidden = self.down_proj.shape[1]

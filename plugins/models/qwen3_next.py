@@ -131,9 +131,15 @@ class GatedDeltaNet(nn.Module):
         mixed_qkv, z, b, a = projected.split(
             [spec.conv_dim, spec.value_dim, spec.num_v_heads, spec.num_v_heads], dim=-1)
         g, beta = delta_net_gates(a, b, self.A_log, self.dt_bias)  # [num_tokens, HV] each
-        core_out = ctx.linear_attn_backend.forward(
+        backend = ctx.linear_attn_backend
+        core_out = backend.forward(
             spec, mixed_qkv, g, beta, self.conv1d.weight.squeeze(1),
             ctx.layer_states[spec.layer_idx], ctx.linear_attn_metadata)  # [num_tokens, HV, Dv]
+        expected = (num_tokens, spec.num_v_heads, spec.head_v_dim)
+        if tuple(core_out.shape) != expected or core_out.dtype != mixed_qkv.dtype:
+            raise RuntimeError(f"linear-attention backend {backend.name!r} returned {core_out.dtype} "
+                               f"{tuple(core_out.shape)}; expected {mixed_qkv.dtype} {expected} "
+                               f"(tokens, value heads, value head dim)")
         gated = self.norm(core_out, z.view(num_tokens, spec.num_v_heads, spec.head_v_dim))
         return self.out_proj(gated.reshape(num_tokens, spec.value_dim))
 
