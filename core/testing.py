@@ -1,0 +1,147 @@
+"""Conformance checks for third-party backends: run one against Weir's torch reference.
+
+    from weir.testing import check_linear_attention_backend, check_moe_backend
+    check_moe_backend(MyMoEBackend())                      # raises AssertionError naming the case
+    check_linear_attention_backend(MyGDNBackend, device="cuda", dtype=torch.bfloat16)
+
+Each check feeds the backend and the reference (``weir.plugins.moe_backends.torch_ref`` /
+``weir.plugins.attention.gdn_torch``) the same random inputs over the cases the engine produces
+(shared experts; prefill, chunked and mixed steps, decodes, a CUDA-graph padding request on the
+padding slot) and compares outputs and state slots. Tolerances: elementwise 1e-4 (relative, and
+absolute times the largest value) for float32; for 16-bit dtypes, where fast kernels round and
+sum in other orders, 2% relative error in norm.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from weir.linear_attention import GatedDeltaNetLayerSpec, LinearAttentionBackend, LinearAttentionMetadata
+from weir.moe import MoEBackend
+
+# (tokens, routed experts, top_k, renormalize, shared experts, activation)
+MOE_CASES = (
+    (1, 8, 2, True, 0, "silu"),
+    (7, 8, 2, False, 1, "silu"),
+    (33, 16, 4, True, 1, "silu"),
+    (5, 4, 4, True, 0, "gelu"),
+)
+GDN_LAYERS = (
+    GatedDeltaNetLayerSpec(layer_idx=0, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16, conv_kernel=4),
+    # Non-power-of-two head dims, one q/k head for three value heads, a 3-tap conv.
+    GatedDeltaNetLayerSpec(layer_idx=1, num_k_heads=1, num_v_heads=3, head_k_dim=12, head_v_dim=20, conv_kernel=3),
+)
+NUM_SLOTS = 6  # slots 0..5 for requests; slot 6 is the padding slot
+# Steps of three requests on scattered slots: (query lengths, slots). The last step adds a
+# CUDA-graph padding request on the padding slot, whose output and slot are not compared.
+GDN_STEPS = (
+    ((5, 1, 9), (2, 0, 5)),  # prefill, one of them a single token
+    ((1, 1, 4), (2, 0, 5)),  # two decodes ahead of a chunk: a mixed step
+    ((1, 1, 1, 1), (2, 0, 5, NUM_SLOTS)),  # decodes plus a padding request
+)
+
+
+def check_moe_backend(backend: MoEBackend, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                      seed: int = 0) -> None:
+    """``backend.forward`` against the torch reference on routed-only and shared-expert layers."""
+    from weir.plugins.moe_backends.torch_ref import TorchMoEBackend
+
+    reference = TorchMoEBackend()
+    generator = torch.Generator().manual_seed(seed)
+    for case in MOE_CASES:
+        num_tokens, num_routed, top_k, renormalize, num_shared, activation = case
+        num_experts, hidden_size, intermediate = num_routed + num_shared, 32, 24
+
+        def randn(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=generator) * scale).to(device=device, dtype=dtype)
+
+        hidden = randn(num_tokens, hidden_size)
+        router_logits = randn(num_tokens, num_routed)
+        w_gate_up = randn(num_experts, 2 * intermediate, hidden_size, scale=hidden_size ** -0.5)
+        w_down = randn(num_experts, hidden_size, intermediate, scale=intermediate ** -0.5)
+        shared = {}
+        if num_shared:
+            shared = dict(num_shared_experts=num_shared, shared_gate_logits=randn(num_tokens, num_shared))
+        arguments = (hidden, router_logits, w_gate_up, w_down, top_k, renormalize, activation)
+        actual = backend.forward(*arguments, **shared)
+        expected = reference.forward(*arguments, **shared)
+        _assert_close(actual, expected, f"MoE backend {backend.name!r}, case (tokens, experts, top_k, "
+                                        f"renormalize, shared, activation) = {case}")
+
+
+def check_linear_attention_backend(
+    backend_cls: type[LinearAttentionBackend],
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    state_dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> None:
+    """A Gated DeltaNet backend against the torch reference over prefill, mixed and decode steps
+    (``GDN_STEPS``), from the same non-zero states: outputs, the used slots after every step, and
+    the untouched slots (which must not change)."""
+    from weir.plugins.attention.gdn_torch import TorchGDNBackend
+
+    device = torch.device(device)
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0, out_dtype=dtype):
+        return (torch.randn(*shape, generator=generator) * scale).to(device=device, dtype=out_dtype)
+
+    for layer in GDN_LAYERS:
+        backends = [backend_cls(dtype, device, state_dtype), TorchGDNBackend(dtype, device, state_dtype)]
+        states = [backend.allocate_state(NUM_SLOTS, layer) for backend in backends]
+        initial_conv = randn(*states[1].conv_state.shape, out_dtype=states[1].conv_state.dtype)
+        initial_recurrent = randn(*states[1].recurrent_state.shape, scale=0.3, out_dtype=state_dtype)
+        for state in states:  # earlier tokens' state, as a request resumed mid-prompt has
+            state.conv_state.copy_(initial_conv)
+            state.recurrent_state.copy_(initial_recurrent)
+        conv_weight = randn(layer.conv_dim, layer.conv_kernel, scale=0.5)
+        for step, (query_lens, slots) in enumerate(GDN_STEPS):
+            num_tokens = sum(query_lens)
+            mixed_qkv = randn(num_tokens, layer.conv_dim)
+            g = -torch.nn.functional.softplus(randn(num_tokens, layer.num_v_heads, out_dtype=torch.float32)) * 0.5
+            beta = torch.sigmoid(randn(num_tokens, layer.num_v_heads, out_dtype=torch.float32)).to(dtype)
+            outputs = [backend.forward(layer, mixed_qkv, g, beta, conv_weight, state,
+                                       backend.build_metadata(_step_metadata(query_lens, slots, device)))
+                       for backend, state in zip(backends, states)]
+            where = f"linear-attention backend {backend_cls.name!r}, layer {layer}, step {step} {query_lens}"
+            real_rows = sum(length for length, slot in zip(query_lens, slots) if slot != NUM_SLOTS)
+            _assert_close(outputs[0][:real_rows], outputs[1][:real_rows], where + ": output")
+            used = sorted({slot for slot in slots if slot != NUM_SLOTS})
+            _assert_close(states[0].recurrent_state[used], states[1].recurrent_state[used],
+                          where + ": recurrent state of the used slots")
+            _assert_close(states[0].conv_state[used], states[1].conv_state[used], where + ": conv windows")
+        untouched = [slot for slot in range(NUM_SLOTS) if all(slot not in slots for _, slots in GDN_STEPS)]
+        for name in ("conv_state", "recurrent_state"):
+            if not torch.equal(getattr(states[0], name)[untouched],
+                               getattr(states[1], name)[untouched]):
+                raise AssertionError(f"linear-attention backend {backend_cls.name!r} changed the {name} of "
+                                     f"slots {untouched}, which no request of the step used")
+
+
+def _step_metadata(query_lens: tuple[int, ...], slots: tuple[int, ...], device: torch.device
+                   ) -> LinearAttentionMetadata:
+    query_start_loc_cpu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return LinearAttentionMetadata(
+        query_start_loc=query_start_loc_cpu.to(device),
+        state_indices=torch.tensor(slots, dtype=torch.int32, device=device),
+        num_reqs=len(query_lens), num_tokens=sum(query_lens), max_query_len=max(query_lens),
+        query_start_loc_cpu=query_start_loc_cpu,
+    )
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, where: str) -> None:
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        raise AssertionError(f"{where}: got {actual.dtype} {tuple(actual.shape)}, expected {expected.dtype} "
+                             f"{tuple(expected.shape)}")
+    if expected.dtype != torch.float32:
+        error = (actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12)
+        if not error <= 2e-2:  # also catches NaN
+            raise AssertionError(f"{where}: relative error {error.item():.3g} in norm (at most 0.02)")
+        return
+    scale = max(1.0, expected.abs().amax().item())
+    try:
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4 * scale)
+    except AssertionError as error:
+        raise AssertionError(f"{where}: {error}") from None
+

@@ -1,0 +1,93 @@
+"""weir.testing: the conformance checks third-party backends run against the torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weir.plugins.attention.gdn_torch import TorchGDNBackend
+from weir.plugins.moe_backends.torch_ref import TorchMoEBackend
+from weir.testing import check_linear_attention_backend, check_moe_backend
+
+
+def test_the_references_pass_their_own_checks():
+    check_moe_backend(TorchMoEBackend())
+    check_linear_attention_backend(TorchGDNBackend)
+    check_linear_attention_backend(TorchGDNBackend, dtype=torch.bfloat16, state_dtype=torch.bfloat16)
+
+
+class _DropsSharedExperts(TorchMoEBackend):
+    name = "drops_shared"
+
+    def route(self, router_logits, top_k, renormalize, num_shared_experts=0, shared_gate_logits=None):
+        weights, ids = super().route(router_logits, top_k, renormalize, num_shared_experts, shared_gate_logits)
+        weights[:, top_k:] = 0
+        return weights, ids
+
+
+class _OneColumnShort(TorchMoEBackend):
+    name = "short"
+
+    def experts(self, *args, **kwargs):
+        return super().experts(*args, **kwargs)[:, :-1]
+
+
+@pytest.mark.parametrize("backend, message", [
+    (_DropsSharedExperts(), r"'drops_shared', case .* = \(7, 8, 2, False, 1, 'silu'\): Tensor-likes are not close"),
+    (_OneColumnShort(), r"'short', case .*: got torch.float32 \(1, 31\), expected torch.float32 \(1, 32\)"),
+])
+def test_a_wrong_moe_backend_fails_naming_the_case(backend, message):
+    with pytest.raises(AssertionError, match=message):
+        check_moe_backend(backend)
+
+
+class _ForgetsState(TorchGDNBackend):
+    """Reads the slots but never writes the recurrent state back."""
+
+    name = "forgets_state"
+
+    def forward(self, layer, mixed_qkv, g, beta, conv_weight, state, metadata):
+        saved = state.recurrent_state.clone()
+        out = super().forward(layer, mixed_qkv, g, beta, conv_weight, state, metadata)
+        state.recurrent_state.copy_(saved)
+        return out
+
+
+class _ZeroesEveryStep(TorchGDNBackend):
+    """Clears every slot but the padding one after each step, used or not."""
+
+    name = "zeroes"
+
+    def forward(self, layer, mixed_qkv, g, beta, conv_weight, state, metadata):
+        out = super().forward(layer, mixed_qkv, g, beta, conv_weight, state, metadata)
+        used = set(metadata.state_indices.tolist())
+        for slot in range(state.conv_state.shape[0] - 1):
+            if slot not in used:
+                state.conv_state[slot] = 0
+        return out
+
+
+@pytest.mark.parametrize("backend_cls, message", [
+    (_ForgetsState, r"'forgets_state', layer .*, step 0 \(5, 1, 9\): recurrent state of the used slots"),
+    (_ZeroesEveryStep, r"'zeroes' changed the conv_state of slots \[1, 3, 4\]"),
+])
+def test_a_wrong_linear_attention_backend_fails_naming_the_step(backend_cls, message):
+    with pytest.raises(AssertionError, match=message):
+        check_linear_attention_backend(backend_cls)
+
+
+# ---------------------------------------------------------------------------------------- GPU
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_cuda_backends_conform():
+    pytest.importorskip("fla")
+    from weir.plugins.attention.gdn_fla import FlaGDNBackend
+    from weir.plugins.moe_backends.triton_fused import TritonMoEBackend
+
+    check_moe_backend(TritonMoEBackend(), device="cuda", dtype=torch.bfloat16)
+    for state_dtype in (torch.float32, torch.bfloat16):
+        check_linear_attention_backend(FlaGDNBackend, device="cuda", dtype=torch.bfloat16, state_dtype=state_dtype)
