@@ -302,3 +302,12 @@ def test_a_linear_attention_backend_output_of_the_wrong_shape_is_named(checkpoin
     with pytest.raises(RuntimeError, match=r"linear-attention backend 'flattened' returned torch.float32 \(3, 64\); "
                                            r"expected torch.float32 \(3, 4, 16\)"):
         layer(torch.arange(3), torch.randn(3, layer.in_proj.weight.shape[1]), ctx)
+
+
+def test_no_room_for_state_on_the_cpu_gives_advice_that_applies_there(checkpoint, monkeypatch):
+    from weir.plugins.platforms.cpu import CpuPlatform
+
+    monkeypatch.setattr(CpuPlatform, "memory_info", lambda self: (40_000, 10**9))  # 40 kB available
+    with pytest.raises(ValueError, match=r"no room for linear-attention state.*free host memory: on the CPU the "
+                                         r"state slots come out of min\(4 GiB, 40% of the available RAM\)"):
+        LLM(str(checkpoint), device="cpu", kv_cache_memory_bytes=10**8)

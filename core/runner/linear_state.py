@@ -24,15 +24,15 @@ class LinearAttentionState:
     """``layer_states[layer_idx]`` for every linear-attention layer (None elsewhere)."""
 
     def __init__(self, backend: LinearAttentionBackend, layers: list[GatedDeltaNetLayerSpec], num_layers: int,
-                 max_num_seqs: int, room_bytes: int):
+                 max_num_seqs: int, room_bytes: int,
+                 remedy: str = "raise gpu_memory_utilization or use a device with more memory"):
         self.bytes_per_slot = sum(backend.state_bytes_per_slot(layer) for layer in layers)
         self.num_slots = min(max_num_seqs, (room_bytes // 2) // self.bytes_per_slot - 1)  # - 1: the padding slot
         if self.num_slots < 1:
             raise ValueError(
                 f"no room for linear-attention state: one request needs {self.bytes_per_slot / 2**20:.1f} MiB "
                 f"across {len(layers)} layers, and half of the {room_bytes / GiB:.2f} GiB left after the weights "
-                "is less than two of those (one is the padding slot); raise gpu_memory_utilization or use a "
-                "device with more memory")
+                f"is less than two of those (one is the padding slot); {remedy}")
         if self.num_slots < max_num_seqs:
             logger.warning("linear-attention state for %d requests would not fit: %d state slots, so at most %d "
                            "requests run at once", max_num_seqs, self.num_slots, self.num_slots)

@@ -144,9 +144,12 @@ class ModelRunner:
         """Slot-indexed state for the linear-attention layers (none: 0 slots)."""
         if not self.state_layers:
             return 0
+        remedy = ("free host memory: on the CPU the state slots come out of min(4 GiB, 40% of the available RAM) "
+                  "(kv_cache_memory_bytes sizes the KV cache alone)" if self.device.type == "cpu"
+                  else "raise gpu_memory_utilization or use a device with more memory")
         self.linear_state = LinearAttentionState(
             self.linear_attn_backend, self.state_layers, len(self.layer_states),
-            self.config.scheduler.max_num_seqs, self._state_room_bytes())
+            self.config.scheduler.max_num_seqs, self._state_room_bytes(), remedy)
         self.layer_states = self.linear_state.layer_states
         return self.linear_state.num_slots
 
