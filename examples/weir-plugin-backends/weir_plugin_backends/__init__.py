@@ -1,0 +1,1 @@
+"""Example third-party Weir backends (see README.md)."""
