@@ -116,7 +116,7 @@ def check_linear_attention_backend(
             if not torch.equal(getattr(states[0], name)[untouched],
                                getattr(states[1], name)[untouched]):
                 raise AssertionError(f"linear-attention backend {backend_cls.name!r} changed the {name} of "
-                                     f"slots {untouched}, which no request of the step used")
+                                     f"slots {untouched}, which no request used")
 
 
 def _step_metadata(query_lens: tuple[int, ...], slots: tuple[int, ...], device: torch.device
