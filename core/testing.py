@@ -1,10 +1,13 @@
-"""Conformance checks for third-party backends: run one against Weir's torch reference.
+"""Conformance checks for third-party plugins: run one against a reference.
 
-    from weir.testing import check_linear_attention_backend, check_moe_backend
+    from weir.testing import check_linear_attention_backend, check_model, check_moe_backend
+    check_model("path/to/tiny-checkpoint")                 # a model plugin against transformers
     check_moe_backend(MyMoEBackend())                      # raises AssertionError naming the case
     check_linear_attention_backend(MyGDNBackend, device="cuda", dtype=torch.bfloat16)
 
-Each check feeds the backend and the reference (``weir.plugins.moe_backends.torch_ref`` /
+``check_model`` serves prompts of several lengths through ``weir.LLM`` (greedy, with the chosen
+tokens' logprobs) and compares them with transformers' own model run in a subprocess
+(``transformers_greedy``). The backend checks feed the backend and the reference (``weir.plugins.moe_backends.torch_ref`` /
 ``weir.plugins.attention.gdn_torch``) the same random inputs over the cases the engine produces
 (shared experts; prefill, chunked and mixed steps, decodes, a CUDA-graph padding request on the
 padding slot) and compares outputs and state slots. Tolerances: elementwise 1e-4 (relative, and
@@ -14,10 +17,46 @@ sum in other orders, 2% relative error in norm.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
 import torch
 
 from weir.linear_attention import GatedDeltaNetLayerSpec, LinearAttentionBackend, LinearAttentionMetadata
 from weir.moe import MoEBackend
+
+# transformers swaps in fla's Triton kernels for Gated DeltaNet (and Dao's conv / mamba kernels)
+# whenever they import: the reference would then be those kernels, and on CPU tensors they fail.
+# The reference process hides them before transformers is imported.
+_REFERENCE_BLOCKED = ("fla", "causal_conv1d", "mamba_ssm")
+_REFERENCE_PROGRAM = """
+import json, sys
+import torch
+for name in {blocked!r}:
+    sys.modules[name] = None
+from transformers import AutoModelForCausalLM
+
+request = json.load(open(sys.argv[1]))
+device = request["device"]
+model = AutoModelForCausalLM.from_pretrained(request["model"], dtype=getattr(torch, request["dtype"])).to(device)
+results = []
+with torch.no_grad():
+    for prompt in request["prompts"]:
+        out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
+        tokens, logits = [], []
+        for _ in range(request["num_tokens"]):
+            step_logits = out.logits[0, -1].float()
+            logits.append(step_logits.cpu())
+            tokens.append(int(step_logits.argmax()))
+            out = model(input_ids=torch.tensor([[tokens[-1]]], device=device), past_key_values=out.past_key_values,
+                        use_cache=True)
+        results.append((tokens, torch.stack(logits)))
+torch.save(results, sys.argv[2])
+""".format(blocked=_REFERENCE_BLOCKED)
 
 # (tokens, routed experts, top_k, renormalize, shared experts, activation)
 MOE_CASES = (
@@ -39,6 +78,58 @@ GDN_STEPS = (
     ((1, 1, 4), (2, 0, 5)),  # two decodes ahead of a chunk: a mixed step
     ((1, 1, 1, 1), (2, 0, 5, NUM_SLOTS)),  # decodes plus a padding request
 )
+
+
+def transformers_greedy(model_path: str | Path, prompts: list[list[int]], num_tokens: int, device: str = "cpu",
+                        dtype: str = "float32") -> list[tuple[list[int], torch.Tensor]]:
+    """transformers' greedy continuation of each prompt, EOS ignored: ``[(tokens, logits
+    [num_tokens, vocab] fp32 on the CPU)]``, computed in a subprocess with fla and Dao's kernels
+    hidden (``_REFERENCE_BLOCKED``) so that the reference is transformers' torch code."""
+    with tempfile.TemporaryDirectory() as folder:
+        request, result = Path(folder) / "request.json", Path(folder) / "result.pt"
+        request.write_text(json.dumps({"model": str(model_path), "prompts": prompts, "num_tokens": num_tokens,
+                                       "device": device, "dtype": dtype}))
+        completed = subprocess.run([sys.executable, "-c", _REFERENCE_PROGRAM, str(request), str(result)],
+                                   capture_output=True, text=True, timeout=1800)
+        if completed.returncode != 0:
+            raise RuntimeError(f"the transformers reference failed on {model_path}:\n{completed.stderr[-6000:]}")
+        return torch.load(result)
+
+
+def check_model(model_path: str | Path, prompts: list[list[int]] | None = None, num_tokens: int = 16,
+                **engine_options: Any) -> None:
+    """Weir's greedy tokens, and the logprob of each, against transformers on the same checkpoint
+    (float32 on the CPU unless ``engine_options`` say otherwise; use a tiny random checkpoint).
+
+    ``prompts`` default to token ids of lengths 3, 17 and 40 (from a fixed seed); pass
+    ``max_num_batched_tokens=16`` to push them through chunked prefill as well. Tokens must be
+    equal; each logprob within 1e-3 of transformers' (float32 differences are ~1e-6).
+    """
+    from weir import LLM, SamplingParams
+
+    llm = LLM(str(model_path), **{"device": "cpu", "dtype": "float32", **engine_options})
+    engine = llm.llm_engine
+    if prompts is None:
+        generator = torch.Generator().manual_seed(0)
+        vocab_size = engine.config.model.hf_config.vocab_size
+        prompts = [torch.randint(0, vocab_size, (length,), generator=generator).tolist() for length in (3, 17, 40)]
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params, use_tqdm=False)
+    references = transformers_greedy(model_path, prompts, num_tokens, device=str(engine.runner.device),
+                                     dtype=str(engine.config.model.dtype).removeprefix("torch."))
+    for prompt_index, (output, (expected_tokens, expected_logits)) in enumerate(zip(outputs, references)):
+        completion = output.outputs[0]
+        where = f"{model_path}, prompt {prompt_index} ({len(prompts[prompt_index])} tokens)"
+        expected_logprobs = torch.log_softmax(expected_logits, dim=-1)  # [num_tokens, vocab]
+        for step, expected_token in enumerate(expected_tokens):  # the first difference is the one reported
+            token = completion.token_ids[step] if step < len(completion.token_ids) else None
+            if token != expected_token:
+                raise AssertionError(f"{where}: greedy tokens differ from transformers' at step {step}: "
+                                     f"{completion.token_ids[step:step + 5]} vs {expected_tokens[step:step + 5]}")
+            difference = abs(completion.logprobs[step][token].logprob - expected_logprobs[step, token].item())
+            if not difference <= 1e-3:
+                raise AssertionError(f"{where}: the logprob of token {token} at step {step} differs from "
+                                     f"transformers' by {difference:.3g}")
 
 
 def check_moe_backend(backend: MoEBackend, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,

@@ -91,3 +91,31 @@ def test_the_cuda_backends_conform():
     check_moe_backend(TritonMoEBackend(), device="cuda", dtype=torch.bfloat16)
     for state_dtype in (torch.float32, torch.bfloat16):
         check_linear_attention_backend(FlaGDNBackend, device="cuda", dtype=torch.bfloat16, state_dtype=state_dtype)
+
+
+def test_check_model_passes_the_example_model_plugin_and_the_hybrid_family(tmp_path):
+    from helpers_models import make_tiny_qwen2, make_tiny_qwen3_next
+    from weir.testing import check_model
+
+    check_model(make_tiny_qwen2(tmp_path / "qwen2"), max_num_batched_tokens=16)  # examples/weir-plugin-qwen2
+    check_model(make_tiny_qwen3_next(tmp_path / "qwen3-next"), num_tokens=8, max_num_batched_tokens=16)
+
+
+def test_check_model_names_the_step_where_a_wrong_model_diverges(tmp_path, monkeypatch):
+    """A model whose norms come out 5% too large is caught at its first token."""
+    from helpers_models import make_tiny_qwen3
+    from weir.layers import RMSNorm
+    from weir.testing import check_model
+
+    forward = RMSNorm.forward
+
+    def off_by_a_little(self, x, residual=None):
+        result = forward(self, x, residual)
+        if residual is None:
+            return result * 1.05
+        return result[0] * 1.05, result[1]
+
+    monkeypatch.setattr(RMSNorm, "forward", off_by_a_little)
+    with pytest.raises(AssertionError, match=r"prompt 0 \(3 tokens\): (greedy tokens differ from transformers' at "
+                                             r"step 0|the logprob of token \d+ at step 0 differs)"):
+        check_model(make_tiny_qwen3(tmp_path / "qwen3"), num_tokens=4)

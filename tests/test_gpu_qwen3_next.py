@@ -12,7 +12,7 @@ import torch
 
 from engine_harness import assert_nothing_held, assert_steps_do_not_sync, watch_engine
 from helpers_models import make_tiny_qwen3_next
-from hf_reference import hf_greedy_in_subprocess
+from weir.testing import transformers_greedy
 from weir import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -46,8 +46,8 @@ def test_bf16_parity_through_fla_and_triton_moe(checkpoint):
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (1, 5, 17, 33, 64, 100, 130, 250)]
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    truth = hf_greedy_in_subprocess(checkpoint, prompts, NUM_TOKENS, device="cuda", dtype="float32")
-    hf_bf16 = hf_greedy_in_subprocess(checkpoint, prompts, NUM_TOKENS, device="cuda", dtype="bfloat16")
+    truth = transformers_greedy(checkpoint, prompts, NUM_TOKENS, device="cuda", dtype="float32")
+    hf_bf16 = transformers_greedy(checkpoint, prompts, NUM_TOKENS, device="cuda", dtype="bfloat16")
     hf_errors = [relative_error(logits[0], reference[0]) for (_, logits), (_, reference) in zip(hf_bf16, truth)]
     hf_matched = sum(identical_prefix(tokens, reference) for (tokens, _), (reference, _) in zip(hf_bf16, truth))
     print(f"transformers bf16: {hf_matched} tokens identical to fp32; prefill logits error",

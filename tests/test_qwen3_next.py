@@ -1,5 +1,5 @@
-"""Qwen3-Next against transformers, fp32 on the CPU (``hf_reference`` runs transformers with fla
-blocked, so its torch Gated DeltaNet is the reference): logits and 32 greedy tokens for 8
+"""Qwen3-Next against transformers, fp32 on the CPU (``weir.testing.transformers_greedy`` runs
+transformers with fla blocked, so its torch Gated DeltaNet is the reference): logits and 32 greedy tokens for 8
 prompts of different lengths, through chunked prefill (state carried across chunks), preemption,
 too few state slots, and both scheduling modes; plus the checkpoint layouts the loader must take
 and the errors for broken ones."""
@@ -14,7 +14,7 @@ import torch
 
 from helpers_models import make_tiny_qwen3_next
 from engine_harness import assert_nothing_held, watch_engine
-from hf_reference import hf_greedy_in_subprocess
+from weir.testing import transformers_greedy
 from weir import LLM, SamplingParams
 
 NUM_TOKENS = 32
@@ -32,7 +32,7 @@ def references(checkpoint):
     rng = random.Random(0)
     prompts = [[rng.randrange(0, 256) for _ in range(length)] for length in PROMPT_LENGTHS]
     # In a child process with fla blocked: on a machine with fla, transformers would use it.
-    return prompts, hf_greedy_in_subprocess(path, prompts, NUM_TOKENS)
+    return prompts, transformers_greedy(path, prompts, NUM_TOKENS)
 
 
 def kv_bytes_for_blocks(num_blocks: int, block_size: int) -> int:
@@ -97,7 +97,7 @@ def test_shared_expert_fused_or_not_matches_transformers(checkpoint, references,
     wider = make_tiny_qwen3_next(tmp_path / "wider", with_tokenizer=True, shared_expert_intermediate_size=48)
     rng = random.Random(1)
     prompts = [[rng.randrange(0, 256) for _ in range(length)] for length in (5, 30)]
-    expected = hf_greedy_in_subprocess(wider, prompts, NUM_TOKENS)
+    expected = transformers_greedy(wider, prompts, NUM_TOKENS)
     llm = LLM(str(wider), device="cpu", dtype="float32")
     experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedExperts)]
     assert experts and all(m.num_shared_experts == 0 for m in experts)
