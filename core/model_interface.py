@@ -3,9 +3,9 @@
 A model plugin registers ``ModelSpec(architecture, "pkg.module:XForCausalLM")``; the class::
 
     class XForCausalLM(nn.Module):
-        stacked_params: ClassVar[Sequence[tuple[str, str, str]]]
-        stacked_param_patterns: ClassVar[Sequence[tuple[str, str, str]]]  # optional
-        ignored_checkpoint_patterns: ClassVar[Sequence[str]]
+        stacked_params: ClassVar[Sequence[tuple[str, str, str]]]  # optional, default ()
+        stacked_param_patterns: ClassVar[Sequence[tuple[str, str, str]]]  # optional, default ()
+        ignored_checkpoint_patterns: ClassVar[Sequence[str]]  # optional, default ()
 
         def __init__(self, config: weir.config.ModelConfig): ...
         def forward(self, input_ids, positions, ctx) -> Tensor: ...
@@ -20,6 +20,8 @@ A model plugin registers ``ModelSpec(architecture, "pkg.module:XForCausalLM")``;
 - ``stacked_params``: ``(fused_param, checkpoint_name, shard_id)`` entries such as
   ``("qkv_proj", "q_proj", "q")``: the checkpoint tensor ``...q_proj.weight`` is written into
   shard ``"q"`` of the ``MergedLinear`` at ``...qkv_proj`` (names match on whole dotted parts).
+  A checkpoint that stores the fused tensor already (Phi-3's ``qkv_proj``, ``gate_up_proj``)
+  needs no entry: a tensor named as the parameter loads whole, shape-checked.
 - ``stacked_param_patterns``: ``(regex, parameter, shard id)`` rules for names a plain
   substitution cannot map, such as per-expert tensors stacked into one parameter
   (``weir.layers.moe.PER_EXPERT_PATTERNS``: ``...experts.7.up_proj.weight`` -> shard ``up.7`` of
@@ -35,8 +37,13 @@ A model plugin registers ``ModelSpec(architecture, "pkg.module:XForCausalLM")``;
   metadata and the KV caches (indexed by ``layer_idx``).
 - ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` in the model dtype, for the N rows the
   sampler needs (usually each request's last token).
-- ``attention_layers()``: one ``AttentionLayerSpec`` per layer that needs KV cache; the runner
-  sizes and allocates the cache from them.
+- ``attention_layers()``: one ``AttentionLayerSpec`` per layer that needs KV cache, each with the
+  ``layer_idx`` its ``weir.layers.Attention`` module reads ``ctx.kv_caches`` at; the runner sizes
+  and allocates the cache from them (and refuses a model whose attention modules they miss).
+  A model without sliding windows or other layer kinds calls
+  ``weir.layers.attention.require_full_attention(hf_config, max_model_len)`` in ``__init__``: it
+  refuses configs whose ``layer_types`` or ``sliding_window`` a full-attention model would
+  silently ignore.
 - ``state_layers()`` (hybrid models): one spec per linear-attention layer; each gets per-request
   state slots (``weir.linear_attention``), and the context carries ``linear_attn_backend``,
   ``linear_attn_metadata`` and ``layer_states``. MoE layers call ``ctx.moe_backend``
@@ -74,3 +81,15 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor: ...
 
     def attention_layers(self) -> list[AttentionLayerSpec]: ...
+
+
+REQUIRED_METHODS = ("forward", "compute_logits", "attention_layers")
+
+
+def check_model_class(model_cls: type) -> None:
+    """Raise naming what a model class lacks of the contract above, before it is built."""
+    missing = [name for name in REQUIRED_METHODS if not callable(getattr(model_cls, name, None))]
+    if missing:
+        raise TypeError(f"model class {model_cls.__module__}.{model_cls.__qualname__} lacks "
+                        f"{', '.join(f'{name}()' for name in missing)}, which every Weir model defines "
+                        f"(weir.model_interface)")

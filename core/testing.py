@@ -101,9 +101,11 @@ def check_model(model_path: str | Path, prompts: list[list[int]] | None = None, 
     """Weir's greedy tokens, and the logprob of each, against transformers on the same checkpoint
     (float32 on the CPU unless ``engine_options`` say otherwise; use a tiny random checkpoint).
 
-    ``prompts`` default to token ids of lengths 3, 17 and 40 (from a fixed seed); pass
-    ``max_num_batched_tokens=16`` to push them through chunked prefill as well. Tokens must be
-    equal; each logprob within 1e-3 of transformers' (float32 differences are ~1e-6).
+    ``prompts`` default to token ids of lengths 3, 17 and 40 (from a fixed seed), so the model's
+    context must hold 40 + ``num_tokens``; pass ``max_num_batched_tokens=16`` to push them through
+    chunked prefill as well. The folder needs a tokenizer, as for any Weir run (``tokenizer=`` may
+    name another folder). Tokens must be equal; each logprob within 1e-3 of transformers' (float32
+    differences are ~1e-6).
     """
     from weir import LLM, SamplingParams
 

@@ -9,6 +9,10 @@ from pathlib import Path
 from typing import Any
 
 
+# The files transformers builds a tokenizer from (fast, then slow ones).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+
+
 def load_tokenizer(model_config: Any) -> Any:
     """Load the transformers tokenizer from ``model_config.tokenizer_path`` (folder or .gguf file)."""
     from transformers import AutoTokenizer
@@ -19,7 +23,11 @@ def load_tokenizer(model_config: Any) -> Any:
             return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as error:
-        raise ValueError(f"cannot load a tokenizer from {path}: {error}") from error
+        hint = ""
+        if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
+            hint = (f" (the folder holds none of {', '.join(TOKENIZER_FILES)}: copy the model's tokenizer there "
+                    f"or name another with the tokenizer option)")
+        raise ValueError(f"cannot load a tokenizer from {path}{hint}: {error}") from error
 
 
 def start_loading_tokenizer(model_config: Any, pool: Executor) -> Future:

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from helpers_models import ROPE_VARIANTS, make_tiny_llama, make_tiny_qwen2, make_tiny_qwen3, tiny_model_config
+from weir import LLM, SamplingParams
 from weir.attention import AttentionMetadata, ForwardContext
 from weir.plugins.attention.torch_ref import TorchAttentionBackend
 from weir.plugins.models.llama import LlamaForCausalLM
@@ -238,3 +239,45 @@ def test_folder_without_checkpoint_is_named(tmp_path):
     (empty / "model.safetensors").rename(empty / "weights.safetensors")
     with pytest.raises(FileNotFoundError, match=r"empty.*model\.safetensors.*weights\.safetensors"):
         iter_checkpoint(tiny_model_config(empty))
+
+
+@pytest.mark.parametrize("make, overrides, message", [
+    # Mistral/Phi-3 style: one window for every layer and no layer_types.
+    (make_tiny_llama, {"sliding_window": 64}, r"sliding_window=64 is not supported.*max_model_len <= 64"),
+    # Qwen3 with its sliding layers turned on: layer_types lists them.
+    (make_tiny_qwen3, {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
+     r"layer_types \['sliding_attention'\] are not supported"),
+])
+def test_sliding_windows_a_full_attention_model_would_ignore_are_refused(tmp_path, make, overrides, message):
+    path = make(tmp_path / "model", **overrides)
+    with pytest.raises(ValueError, match=message):
+        LLM(str(path), device="cpu", max_model_len=128)
+
+
+def test_a_window_longer_than_max_model_len_runs_as_full_attention(tmp_path):
+    path = make_tiny_llama(tmp_path / "llama", with_tokenizer=True, sliding_window=64)
+    output = LLM(str(path), device="cpu", max_model_len=64).generate(
+        {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert len(output[0].outputs[0].token_ids) == 2
+
+
+def test_model_contract_gaps_are_named(tmp_path, monkeypatch):
+    from weir.model_interface import check_model_class
+
+    class NoSpecs(torch.nn.Module):
+        def forward(self, input_ids, positions, ctx):
+            return input_ids
+
+        def compute_logits(self, hidden):
+            return hidden
+
+    with pytest.raises(TypeError, match=r"NoSpecs lacks attention_layers\(\), which every Weir model defines"):
+        check_model_class(NoSpecs)
+
+    # attention_layers() that leaves out a layer's attention module: named before any KV cache
+    # index error could happen in a forward.
+    path = make_tiny_llama(tmp_path / "llama")
+    declared = LlamaForCausalLM.attention_layers
+    monkeypatch.setattr(LlamaForCausalLM, "attention_layers", lambda self: declared(self)[:1])
+    with pytest.raises(ValueError, match=r"attention_layers\(\) misses the attention modules of layers \[1\]"):
+        LLM(str(path), device="cpu")

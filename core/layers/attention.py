@@ -99,10 +99,17 @@ class RopeSelfAttention(nn.Module):
         return self.o_proj(attn_out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
-def require_full_attention(hf_config: Any) -> None:
-    """Raise when the config asks for layer kinds a plain full-attention model cannot serve."""
+def require_full_attention(hf_config: Any, max_model_len: int | None = None) -> None:
+    """Raise when the config asks for attention a plain full-attention model would get wrong:
+    other layer kinds, or a ``sliding_window`` (as Mistral and Phi-3 configs set it, with no
+    ``layer_types``) that a sequence of ``max_model_len`` tokens could outgrow."""
     layer_types = getattr(hf_config, "layer_types", None) or []
     other_kinds = sorted({kind for kind in layer_types if kind != "full_attention"})
     if other_kinds:
         raise ValueError(f"{type(hf_config).__name__}: layer_types {other_kinds} are not supported "
                          "by this model implementation (only full_attention)")
+    window = getattr(hf_config, "sliding_window", None)
+    if window and not layer_types and (max_model_len is None or max_model_len > window):
+        raise ValueError(f"{type(hf_config).__name__}: sliding_window={window} is not supported by this model "
+                         f"implementation (full attention only); with max_model_len <= {window} every token "
+                         f"sees the whole sequence and it runs as full attention")

@@ -1,7 +1,9 @@
 """Rotary position embedding (rotate_half / NeoX layout) with transformers' frequency scaling.
 
 The inverse frequencies come from transformers itself (``ROPE_INIT_FUNCTIONS``) for every scaled
-RoPE type, so a scaling variant can never drift from the reference. ``cos`` and ``sin`` for every
+RoPE type but "longrope" (refused: transformers switches between its short and long factors by
+sequence length, which one cache cannot hold), so a scaling variant can never drift from the
+reference. ``cos`` and ``sin`` for every
 position up to ``max_positions`` are computed once into a cache; a forward is a gather plus the
 rotation.
 

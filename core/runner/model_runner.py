@@ -23,8 +23,10 @@ import torch
 
 from weir.attention import AttentionMetadata, ForwardContext
 from weir.config import EngineConfig
+from weir.layers.attention import Attention
 from weir.layers.moe import FusedExperts
 from weir.linear_attention import LayerState, LinearAttentionMetadata
+from weir.model_interface import check_model_class
 from weir.runner.linear_state import LinearAttentionState
 from weir.platform import Platform
 from weir.runner.async_output import AsyncOutput
@@ -67,6 +69,7 @@ class ModelRunner:
             # engine's raised GC thresholds make rare: collect it now, before this engine loads
             # weights and measures what memory is free.
             gc.collect()
+        check_model_class(model_cls)
         start = time.perf_counter()
         self.model = load_model(model_cls, model_config, self.device, iter_checkpoint(model_config))
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -76,6 +79,11 @@ class ModelRunner:
         if not self.attn_layers:
             raise ValueError(f"{model_cls.__name__} declares no full-attention layers; "
                              "Weir's runner needs at least one")
+        undeclared = sorted({module.spec.layer_idx for module in self.model.modules() if isinstance(module, Attention)}
+                            - {layer.layer_idx for layer in self.attn_layers})
+        if undeclared:
+            raise ValueError(f"{model_cls.__name__}.attention_layers() misses the attention modules of layers "
+                             f"{undeclared}: they would have no KV cache (weir.model_interface)")
         backends = choose_attention_backends({layer.kind for layer in self.attn_layers + self.state_layers})
         self.attn_backend = backends[self.attn_layers[0].kind](self.block_size, self.dtype, self.device)
         self.linear_attn_backend = None

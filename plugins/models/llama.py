@@ -14,6 +14,7 @@ from weir.attention import AttentionLayerSpec, ForwardContext
 from weir.config import ModelConfig
 from weir.layers import (QKV_GATE_UP_STACKED_PARAMS, GatedMLP, LMHead, RMSNorm, RopeSelfAttention,
                          RotaryEmbedding, VocabEmbedding, head_dim_of, num_kv_heads_of)
+from weir.layers.attention import require_full_attention
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -77,6 +78,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         hf_config = config.hf_config
+        require_full_attention(hf_config, config.max_model_len)  # subclasses inherit the check
         self.model = LlamaModel(config, self.attention_options(hf_config))
         tied = self.model.embed_tokens if getattr(hf_config, "tie_word_embeddings", False) else None
         self.lm_head = LMHead(hf_config.hidden_size, hf_config.vocab_size, tie_to=tied)

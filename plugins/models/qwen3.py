@@ -8,16 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from weir.config import ModelConfig
-from weir.layers.attention import require_full_attention
 from weir.plugins.models.llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    def __init__(self, config: ModelConfig):
-        # Sliding-window layers (use_sliding_window) are off on every released Qwen3.
-        require_full_attention(config.hf_config)
-        super().__init__(config)
+    # Sliding-window layers (use_sliding_window) are off on every released Qwen3; configs that
+    # turn them on are refused by LlamaForCausalLM's require_full_attention.
 
     @classmethod
     def attention_options(cls, hf_config: Any) -> dict[str, Any]:

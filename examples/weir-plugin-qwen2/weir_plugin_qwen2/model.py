@@ -9,16 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from weir.config import ModelConfig
-from weir.layers.attention import require_full_attention
 from weir.plugins.models.llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    def __init__(self, config: ModelConfig):
-        # Qwen2's optional sliding-window layers (use_sliding_window) are not implemented here.
-        require_full_attention(config.hf_config)
-        super().__init__(config)
+    # Qwen2's optional sliding-window layers (use_sliding_window) are not implemented: the Llama
+    # skeleton's require_full_attention refuses configs that turn them on.
 
     @classmethod
     def attention_options(cls, hf_config: Any) -> dict[str, Any]:
