@@ -20,6 +20,7 @@ from weir.server import info
 from weir.server.chat import create_chat_completion
 from weir.server.completions import create_completion
 from weir.server.errors import APIError
+from weir.server.responses import create_response
 from weir.server.settings import ServerSettings
 from weir.server.state import ServerState
 from weir.server.streaming import SHUTDOWN_ERROR, ClientDisconnected
@@ -80,6 +81,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> Starlette:
     table = [
         ("/v1/chat/completions", create_chat_completion, "POST", True),
         ("/v1/completions", create_completion, "POST", True),
+        ("/v1/responses", create_response, "POST", True),
         ("/v1/models", info.list_models, "GET", True),
         ("/v1/models/{model:path}", info.retrieve_model, "GET", True),
         ("/tokenize", info.tokenize, "POST", True),

@@ -289,3 +289,150 @@ def check_template_options(request: ChatCompletionRequest | TokenizeRequest) -> 
         if request.messages and request.messages[-1].role != "assistant":
             raise bad_request("continue_final_message needs the last message to be the assistant's",
                               param="continue_final_message")
+
+
+# Responses API input item types that carry what this server cannot take.
+_UNSUPPORTED_INPUT_PARTS = {"input_image": "images in the input", "input_file": "files in the input",
+                            "input_audio": "audio in the input"}
+
+
+class ResponsesRequest(_Strict):
+    """``POST /v1/responses``: OpenAI's Responses API, as far as a stateless text server goes.
+
+    ``input`` is text or a list of items: messages (``content`` text or ``input_text`` /
+    ``output_text`` parts), earlier ``function_call`` items and their ``function_call_output``;
+    ``reasoning`` items of earlier turns are dropped, as chat templates drop past thinking.
+    Nothing is stored, so ``store`` is accepted but ``previous_response_id`` is refused.
+    """
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: dict[str, Any] | None = None  # {"effort": ...} reaches the chat template
+    text: dict[str, Any] | None = None  # {"format": {"type": "text"}} only
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: str | None = None
+    include: list[str] | None = None
+    previous_response_id: str | None = None
+    conversation: str | dict | None = None
+    background: bool | None = None
+    top_logprobs: int | None = None
+    # vLLM's extras, as in chat
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice in (None, "auto")
+
+    @property
+    def max_tool_calls(self) -> int | None:
+        return 1 if self.parallel_tool_calls is False else None
+
+    def check_supported(self, tool_call_parser: str | None = None) -> None:
+        for name, what in (("previous_response_id", "previous_response_id (this server stores no responses)"),
+                           ("conversation", "conversations (this server stores no responses)"),
+                           ("background", "background mode"), ("top_logprobs", "logprobs on responses")):
+            if getattr(self, name):
+                raise unsupported(name, what)
+        if self.truncation not in (None, "disabled"):
+            raise unsupported("truncation", f"truncation {self.truncation!r} (a prompt too long is an error)")
+        text_format = (self.text or {}).get("format") or {"type": "text"}
+        if text_format.get("type") != "text":
+            raise unsupported("text.format", f"text format {text_format.get('type')!r} (it needs guided decoding)")
+        for index, tool in enumerate(self.tools or []):
+            if tool.get("type") != "function":
+                raise unsupported(f"tools.{index}", f"the built-in tool {tool.get('type')!r}")
+            if not isinstance(tool.get("name"), str):
+                raise bad_request("a function tool needs a name", param=f"tools.{index}.name")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise unsupported("tool_choice", f"tool_choice={self.tool_choice!r} (it needs guided decoding; "
+                                             f"'auto' and 'none' are served)")
+        if self.parses_tool_calls and tool_call_parser is None:
+            raise unsupported("tools", "tool calling on this server (start it with --enable-auto-tool-choice "
+                                       "--tool-call-parser hermes), or send tool_choice 'none'")
+        reserved = sorted(set(self.chat_template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)} (the server sets it)",
+                              param="chat_template_kwargs")
+        if isinstance(self.input, list) and not self.input:
+            raise bad_request("input must hold at least one item", param="input")
+
+    def template_tools(self) -> list[dict] | None:
+        """The flat Responses tools in the chat form chat templates render."""
+        if not self.tools:
+            return None
+        return [{"type": "function", "function": {key: tool[key] for key in ("name", "description", "parameters")
+                                                  if key in tool}} for tool in self.tools]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(self.chat_template_kwargs or {})
+        effort = (self.reasoning or {}).get("effort")
+        if effort is not None:
+            kwargs.setdefault("reasoning_effort", effort)
+        return kwargs
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The conversation as chat templates take it: instructions first, function calls as an
+        assistant turn's ``tool_calls``, their outputs as ``tool`` turns."""
+        messages: list[dict[str, Any]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
+        for index, item in enumerate(items):
+            kind = item.get("type", "message")
+            if kind == "message":
+                messages.append(self._message(item, index))
+            elif kind == "function_call":
+                call = {"id": item.get("call_id"), "type": "function",
+                        "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+                if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
+                    messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif kind == "function_call_output":
+                messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                                 "content": item.get("output", "")})
+            elif kind != "reasoning":
+                raise unsupported(f"input.{index}", f"input items of type {kind!r}")
+        return [template_message(message, index) for index, message in enumerate(messages)]
+
+    @staticmethod
+    def _message(item: dict[str, Any], index: int) -> dict[str, Any]:
+        role, content = item.get("role"), item.get("content")
+        if role not in ("user", "system", "developer", "assistant"):
+            raise bad_request(f"input.{index}.role must be user, system, developer or assistant, got {role!r}",
+                              param=f"input.{index}.role")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in _UNSUPPORTED_INPUT_PARTS:
+                    raise unsupported(f"input.{index}.content", _UNSUPPORTED_INPUT_PARTS[kind])
+                if kind not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
+                    raise bad_request(f"input.{index}.content parts must be input_text or output_text with a "
+                                      f"text, got {part!r}", param=f"input.{index}.content")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        elif not isinstance(content, str):
+            raise bad_request(f"input.{index}.content must be text or a list of parts", param=f"input.{index}.content")
+        return {"role": role, "content": content}
+
+    def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+        optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                    "min_p": self.min_p, "repetition_penalty": self.repetition_penalty}
+        chosen = {name: value if value is not None else defaults.get(name) for name, value in optional.items()}
+        max_tokens = self.max_output_tokens if self.max_output_tokens is not None else defaults.get("max_tokens")
+        return SamplingParams(max_tokens=max_tokens,
+                              **{name: value for name, value in chosen.items() if value is not None})
