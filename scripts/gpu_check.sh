@@ -19,10 +19,12 @@ case "${1:-tests}" in
     if [ -d .smol1 ] && [ -f /tmp/smolparts/part.00 ]; then
       cp .smol1/part.* /tmp/smolparts/ && bash scripts/pack_default_model.sh --unpack >/dev/null && select=()
     fi
-    # The device lacks openai (a CPU-test dependency of test_server_openai and test_server_tools); a module that fails to
-    # import for another missing package must not stop every other GPU test either.
+    # The device lacks openai (a CPU-test dependency of the test_server_openai, _tools and
+    # _responses modules); a module that fails to import for another missing package must not
+    # stop every other GPU test either.
     timeout 540 python3 -m pytest -m gpu -q -p no:cacheprovider "${select[@]}" tests ${GPU_TESTS:-} \
-      --ignore=tests/test_server_openai.py --ignore=tests/test_server_tools.py --continue-on-collection-errors \
+      --ignore=tests/test_server_openai.py --ignore=tests/test_server_tools.py \
+      --ignore=tests/test_server_responses.py --continue-on-collection-errors \
       > "$OUT/gpu-tests.log" 2>&1; tail -30 "$OUT/gpu-tests.log" ;;
   bench)
     timeout 240 weir bench throughput benchmarks/models/qwen3-0.6b --load-format dummy --num-prompts 256 \

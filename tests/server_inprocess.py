@@ -8,7 +8,10 @@ import socket
 import threading
 import time
 
+import torch
 import uvicorn
+
+from helpers_models import TINY_EOS_ID
 
 from weir.async_engine import AsyncLLMEngine
 from weir.engine import LLMEngine
@@ -39,3 +42,29 @@ def serve_in_thread(model_path, settings: ServerSettings | None = None, **engine
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+# A chat template that shows what reaches it (tools, tool calls), and a Hermes tool call.
+TEMPLATE = ("{% if tools %}TOOLS{{ tools | length }}|{% endif %}{% for m in messages %}<{{ m['role'] }}>"
+            "{% if m['tool_calls'] %}{{ m['tool_calls'] | tojson }}{% endif %}{{ m['content'] or '' }}{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+class ScriptedReply:
+    """Makes the model write ``text`` (one byte per token with the tiny tokenizer), then EOS."""
+
+    def __init__(self, engine):
+        self.model = engine.runner.model
+        self.original = self.model.compute_logits
+        self.tokens: list[int] = []
+        self.model.compute_logits = self.compute_logits
+
+    def say(self, text: str) -> None:
+        self.tokens = list(text.encode()) + [TINY_EOS_ID]
+
+    def compute_logits(self, hidden):
+        logits = self.original(hidden)
+        forced = torch.full_like(logits, -1e4)
+        forced[:, self.tokens.pop(0) if self.tokens else TINY_EOS_ID] = 1e4
+        return forced

@@ -1,7 +1,7 @@
 """``POST /v1/responses`` through the openai client: text, instructions and message items render
 through the chat template; the reply comes back as output items (reasoning, message, function
 calls), whole or as typed stream events; what a stateless text server cannot do is a 400. The
-tiny model's reply is scripted (``test_server_tools.ScriptedReply``), so the output is known."""
+tiny model's reply is scripted (``server_inprocess.ScriptedReply``), so the output is known."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import json
 import openai
 import pytest
 
-from server_inprocess import serve_in_thread
-from test_server_tools import CALL, TEMPLATE, ScriptedReply
+from server_inprocess import CALL, TEMPLATE, ScriptedReply, serve_in_thread
 from weir.server.settings import ServerSettings
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "weather of a city",

@@ -10,41 +10,16 @@ import json
 
 import openai
 import pytest
-import torch
 
-from helpers_models import TINY_EOS_ID
-from server_inprocess import serve_in_thread
+from server_inprocess import CALL, TEMPLATE, ScriptedReply, serve_in_thread
 from weir.server.reasoning import ReasoningStream, parse_reasoning
 from weir.server.settings import ServerSettings
 from weir.server.tool_calls import ToolCallStream, parse_tool_calls
 
-TEMPLATE = ("{% if tools %}TOOLS{{ tools | length }}|{% endif %}{% for m in messages %}<{{ m['role'] }}>"
-            "{% if m['tool_calls'] %}{{ m['tool_calls'] | tojson }}{% endif %}{{ m['content'] or '' }}{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}")
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
                                             "parameters": {"type": "object",
                                                            "properties": {"city": {"type": "string"}}}}}]
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 REPLY = "Sure.\n" + CALL
-
-
-class ScriptedReply:
-    """Makes the model write ``text`` (one byte per token with the tiny tokenizer), then EOS."""
-
-    def __init__(self, engine):
-        self.model = engine.runner.model
-        self.original = self.model.compute_logits
-        self.tokens: list[int] = []
-        self.model.compute_logits = self.compute_logits
-
-    def say(self, text: str) -> None:
-        self.tokens = list(text.encode()) + [TINY_EOS_ID]
-
-    def compute_logits(self, hidden):
-        logits = self.original(hidden)
-        forced = torch.full_like(logits, -1e4)
-        forced[:, self.tokens.pop(0) if self.tokens else TINY_EOS_ID] = 1e4
-        return forced
 
 
 @pytest.fixture(scope="module")
