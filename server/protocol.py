@@ -296,6 +296,27 @@ _UNSUPPORTED_INPUT_PARTS = {"input_image": "images in the input", "input_file": 
                             "input_audio": "audio in the input"}
 
 
+def _joined_text(parts: list, param: str) -> str:
+    """Text parts (``input_text`` / ``output_text``) joined by newlines, as chat joins them."""
+    texts = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind in _UNSUPPORTED_INPUT_PARTS:
+            raise unsupported(param, _UNSUPPORTED_INPUT_PARTS[kind])
+        if kind not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
+            raise bad_request(f"{param} parts must be input_text or output_text with a text, got {part!r}",
+                              param=param)
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _require_strings(item: dict, index: int, fields: tuple[str, ...]) -> None:
+    for field in fields:
+        if not isinstance(item.get(field), str):
+            raise bad_request(f"input.{index}.{field} must be a string (a {item.get('type')} item), got "
+                              f"{item.get(field)!r}", param=f"input.{index}.{field}")
+
+
 class ResponsesRequest(_Strict):
     """``POST /v1/responses``: OpenAI's Responses API, as far as a stateless text server goes.
 
@@ -341,14 +362,28 @@ class ResponsesRequest(_Strict):
         return 1 if self.parallel_tool_calls is False else None
 
     def check_supported(self, tool_call_parser: str | None = None) -> None:
+        extra = self.model_extra or {}
+        for name, value in extra.items():  # as chat: asked-for vLLM features Weir lacks are refused
+            if name in UNSUPPORTED_VLLM_FIELDS and not (value is None or value is False or value in ([], {})):
+                raise unsupported(name, UNSUPPORTED_VLLM_FIELDS[name])
+        for name, what in (("logit_bias", "logit_bias"), ("prompt", "prompt templates (prompt ids)")):
+            if extra.get(name):
+                raise unsupported(name, what)
         for name, what in (("previous_response_id", "previous_response_id (this server stores no responses)"),
                            ("conversation", "conversations (this server stores no responses)"),
-                           ("background", "background mode"), ("top_logprobs", "logprobs on responses")):
+                           ("background", "background mode"), ("top_logprobs", "logprobs on responses"),
+                           ("include", "include (no extra output data is served)")):
             if getattr(self, name):
                 raise unsupported(name, what)
+        effort = (self.reasoning or {}).get("effort")
+        if effort is not None and not isinstance(effort, str):
+            raise bad_request(f"reasoning.effort must be a string, got {effort!r}", param="reasoning.effort")
         if self.truncation not in (None, "disabled"):
             raise unsupported("truncation", f"truncation {self.truncation!r} (a prompt too long is an error)")
         text_format = (self.text or {}).get("format") or {"type": "text"}
+        if not isinstance(text_format, dict):
+            raise bad_request(f"text.format must be an object such as {{\"type\": \"text\"}}, got {text_format!r}",
+                              param="text.format")
         if text_format.get("type") != "text":
             raise unsupported("text.format", f"text format {text_format.get('type')!r} (it needs guided decoding)")
         for index, tool in enumerate(self.tools or []):
@@ -356,6 +391,9 @@ class ResponsesRequest(_Strict):
                 raise unsupported(f"tools.{index}", f"the built-in tool {tool.get('type')!r}")
             if not isinstance(tool.get("name"), str):
                 raise bad_request("a function tool needs a name", param=f"tools.{index}.name")
+            if not isinstance(tool.get("parameters", {}), (dict, type(None))):
+                raise bad_request("a function tool's parameters must be a JSON schema object",
+                                  param=f"tools.{index}.parameters")
         if self.tool_choice not in (None, "none", "auto"):
             raise unsupported("tool_choice", f"tool_choice={self.tool_choice!r} (it needs guided decoding; "
                                              f"'auto' and 'none' are served)")
@@ -395,15 +433,22 @@ class ResponsesRequest(_Strict):
             if kind == "message":
                 messages.append(self._message(item, index))
             elif kind == "function_call":
-                call = {"id": item.get("call_id"), "type": "function",
-                        "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+                _require_strings(item, index, ("call_id", "name", "arguments"))
+                call = {"id": item["call_id"], "type": "function",
+                        "function": {"name": item["name"], "arguments": item["arguments"]}}
                 if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
                     messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif kind == "function_call_output":
-                messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                                 "content": item.get("output", "")})
+                _require_strings(item, index, ("call_id",))
+                output = item.get("output")
+                content = (_joined_text(output, f"input.{index}.output") if isinstance(output, list)
+                           else output)
+                if not isinstance(content, str):
+                    raise bad_request(f"input.{index}.output must be text or a list of input_text parts",
+                                      param=f"input.{index}.output")
+                messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": content})
             elif kind != "reasoning":
                 raise unsupported(f"input.{index}", f"input items of type {kind!r}")
         return [template_message(message, index) for index, message in enumerate(messages)]
@@ -415,16 +460,7 @@ class ResponsesRequest(_Strict):
             raise bad_request(f"input.{index}.role must be user, system, developer or assistant, got {role!r}",
                               param=f"input.{index}.role")
         if isinstance(content, list):
-            texts = []
-            for part in content:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind in _UNSUPPORTED_INPUT_PARTS:
-                    raise unsupported(f"input.{index}.content", _UNSUPPORTED_INPUT_PARTS[kind])
-                if kind not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
-                    raise bad_request(f"input.{index}.content parts must be input_text or output_text with a "
-                                      f"text, got {part!r}", param=f"input.{index}.content")
-                texts.append(part["text"])
-            content = "\n".join(texts)
+            content = _joined_text(content, f"input.{index}.content")
         elif not isinstance(content, str):
             raise bad_request(f"input.{index}.content must be text or a list of parts", param=f"input.{index}.content")
         return {"role": role, "content": content}

@@ -2,10 +2,11 @@
 
 The request's input renders through the chat template as a chat completion's messages would
 (``ResponsesRequest.messages``), and the reply is split as chat splits it (``--reasoning-parser``,
-``--tool-call-parser``) into output items: a ``reasoning`` item, a ``message`` with one
-``output_text`` part, then one ``function_call`` item per call. A reply cut by
+``--tool-call-parser``) into output items, in the order the model wrote them: ``reasoning``,
+``message`` (one ``output_text`` part) and ``function_call`` items. A reply cut by
 ``max_output_tokens`` makes the response ``incomplete``. Streams send OpenAI's typed events
-(``response.created`` ... ``response.completed``), each with its ``sequence_number``.
+(``response.created`` ... ``response.completed``), each with its ``sequence_number``; a whole
+response is built by the same code fed the whole reply, so both carry the same items.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from weir.server.body import parse, read_json
 from weir.server.errors import from_value_error
 from weir.server.generation import Generation
 from weir.server.protocol import ResponsesRequest
-from weir.server.reasoning import ReasoningStream, parse_reasoning
+from weir.server.reasoning import ReasoningStream
 from weir.server.shapes import engine_error, finish_reason
 from weir.server.state import ServerState
 from weir.server.streaming import EventStreamResponse, final_outputs, sse_event
-from weir.server.tool_calls import ToolCallStream, parse_tool_calls
+from weir.server.tool_calls import END as TOOL_CALL_END
+from weir.server.tool_calls import ToolCallStream
 
 
 def _item_id(prefix: str) -> str:
@@ -42,7 +44,7 @@ async def create_response(request: Request, state: ServerState) -> Response:
     except ValueError as error:
         raise from_value_error(error, renamed={"max_tokens": "max_output_tokens"}) from error
     prompt_token_ids = await state.render_chat(body.messages(), template_kwargs=body.template_kwargs(),
-                                               tools=body.template_tools())
+                                               tools=body.template_tools(), param="input")
     snapshot = _Snapshot(body, _item_id("resp"), state.served_model_name, state.tokenizer)
     generation = await state.start(prompt_token_ids, None, params, snapshot.response_id, "input",
                                    max_tokens_param="max_output_tokens" if body.max_output_tokens is not None
@@ -91,15 +93,17 @@ class _Snapshot:
             num_reasoning = len(self.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
             response["usage"] = {
                 "input_tokens": num_prompt, "output_tokens": num_output, "total_tokens": num_prompt + num_output,
-                "input_tokens_details": {"cached_tokens": output.num_cached_tokens or 0},
+                # cache_write_tokens counts writes to an explicit prompt cache a client pays for;
+                # Weir's prefix cache is implicit (its hits are cached_tokens).
+                "input_tokens_details": {"cached_tokens": output.num_cached_tokens or 0, "cache_write_tokens": 0},
                 "output_tokens_details": {"reasoning_tokens": min(num_reasoning, num_output)},
             }
         return response
 
 
-def _reasoning_item(item_id: str, text: str, status: str) -> dict:
-    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
-            "content": [{"type": "reasoning_text", "text": text}]}
+def _reasoning_item(item_id: str, text: str | None, status: str) -> dict:
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status, "content": content}
 
 
 def _message_item(item_id: str, text: str | None, status: str) -> dict:
@@ -107,146 +111,142 @@ def _message_item(item_id: str, text: str | None, status: str) -> dict:
     return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
 
 
-def _call_item(call: dict, status: str = "completed") -> dict:
-    """A chat-style tool call (``weir.server.tool_calls``) as a Responses ``function_call`` item."""
-    function = call["function"]
-    return {"type": "function_call", "id": _item_id("fc"), "call_id": call["id"], "name": function["name"],
-            "arguments": function["arguments"], "status": status}
+def _text_part(kind: str, text: str) -> dict:
+    if kind == "reasoning":
+        return {"type": "reasoning_text", "text": text}
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def _output_items(body: ResponsesRequest, completion: CompletionOutput, reasoning_parser: str | None) -> list[dict]:
-    """A finished reply's items: reasoning, message, function calls (each only when present)."""
-    reasoning, content = (parse_reasoning(completion.text) if reasoning_parser is not None
-                          else (None, completion.text))
-    calls = []
-    if body.parses_tool_calls:
-        content, calls = parse_tool_calls(content or "")
-        calls = calls[:body.max_tool_calls]
-    status = "incomplete" if completion.finish_reason == "length" else "completed"
-    items = []
-    if reasoning:
-        items.append(_reasoning_item(_item_id("rs"), reasoning, status))
-    if content or not calls:
-        items.append(_message_item(_item_id("msg"), content or "", status))
-    items.extend(_call_item(call) for call in calls)
-    return items
+class _ItemBuilder:
+    """Turns one reply's text, as it grows, into output items and the stream events that build
+    them. Both paths use it (a whole reply is fed once), so streamed and whole responses have
+    the same items: reasoning, then text and function calls in the order the model wrote them."""
 
-
-class _EventWriter:
-    """Numbers the events and keeps the output items as they stand, for the final snapshot."""
-
-    def __init__(self, snapshot: _Snapshot):
-        self.snapshot = snapshot
-        self.sequence_number = 0
+    def __init__(self, body: ResponsesRequest, reasoning_parser: str | None):
+        self.body = body
+        self.reasoning = ReasoningStream() if reasoning_parser is not None else None
+        self.tools = ToolCallStream() if body.parses_tool_calls else None
         self.items: list[dict] = []
+        self.sequence_number = 0
+        self.num_calls = 0
+        self.open_index: int | None = None  # the reasoning or message item text is flowing into
+        self.open_text = ""
 
     def event(self, kind: str, **fields) -> bytes:
         payload = {"type": kind, "sequence_number": self.sequence_number, **fields}
         self.sequence_number += 1
         return b"event: " + kind.encode() + b"\n" + sse_event(payload)
 
-    def add_item(self, item: dict) -> tuple[int, bytes]:
+    def feed(self, delta: str, finished: bool) -> list[bytes]:
+        """The events for ``delta`` of the reply's text (all of it when ``finished``)."""
+        reasoning, content = self.reasoning.feed(delta, finished) if self.reasoning else ("", delta)
+        calls = []
+        if self.tools is not None:
+            content, calls = self.tools.feed(content, finished)
+        events = self._text("reasoning", reasoning) + self._text("message", content)
+        for call in calls:
+            if self.body.max_tool_calls is not None and self.num_calls >= self.body.max_tool_calls:
+                continue
+            self.num_calls += 1
+            events += self._close("completed")
+            function = call["function"]
+            item = {"type": "function_call", "id": _item_id("fc"), "call_id": call["id"], "name": function["name"],
+                    "arguments": "", "status": "in_progress"}
+            index = self._add(item, events)
+            item.update(arguments=function["arguments"], status="completed")
+            events.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                     output_index=index, delta=item["arguments"]))
+            events.append(self.event("response.function_call_arguments.done", item_id=item["id"],
+                                     output_index=index, arguments=item["arguments"]))
+            events.append(self.event("response.output_item.done", output_index=index, item=item))
+        return events
+
+    def finish(self, status: str) -> list[bytes]:
+        """Close what is open with ``status`` ("completed", or "incomplete" when cut); an empty
+        reply still gets its (empty) message."""
+        events = [] if self.items else self._open("message")
+        return events + self._close(status)
+
+    def _add(self, item: dict, events: list[bytes]) -> int:
         self.items.append(item)
         index = len(self.items) - 1
-        return index, self.event("response.output_item.added", output_index=index, item=dict(item, content=[])
-                                 if item["type"] != "function_call" else item)
+        events.append(self.event("response.output_item.added", output_index=index, item=dict(item)))
+        return index
+
+    def _open(self, kind: str) -> list[bytes]:
+        events: list[bytes] = []
+        item = (_reasoning_item if kind == "reasoning" else _message_item)(_item_id("rs" if kind == "reasoning"
+                                                                                    else "msg"), None, "in_progress")
+        index = self._add(item, events)
+        events.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
+                                 content_index=0, part=_text_part(kind, "")))
+        self.open_index, self.open_text = index, ""
+        return events
+
+    def _text(self, kind: str, delta: str) -> list[bytes]:
+        if not delta:
+            return []
+        events: list[bytes] = []
+        if self.open_index is None or self.items[self.open_index]["type"] != kind:
+            events += self._close("completed") + self._open(kind)
+        item = self.items[self.open_index]
+        self.open_text += delta
+        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        events.append(self.event(name, item_id=item["id"], output_index=self.open_index, content_index=0,
+                                 delta=delta, **extra))
+        return events
+
+    def _close(self, status: str) -> list[bytes]:
+        if self.open_index is None:
+            return []
+        index, text = self.open_index, self.open_text
+        item = self.items[index]
+        kind = item["type"]
+        part = _text_part(kind, text)
+        item.update(status=status, content=[part])
+        self.open_index, self.open_text = None, ""
+        name = "response.reasoning_text.done" if kind == "reasoning" else "response.output_text.done"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        return [self.event(name, item_id=item["id"], output_index=index, content_index=0, text=text, **extra),
+                self.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                           part=part),
+                self.event("response.output_item.done", output_index=index, item=item)]
+
+
+def _output_items(body: ResponsesRequest, completion: CompletionOutput, reasoning_parser: str | None) -> list[dict]:
+    """A finished reply's items, built as the stream builds them: the text is fed in pieces that
+    end where tool-call blocks close, so text after a call lands after it, as streamed."""
+    builder = _ItemBuilder(body, reasoning_parser)
+    pieces = completion.text.split(TOOL_CALL_END)
+    for number, piece in enumerate(pieces):
+        last = number == len(pieces) - 1
+        builder.feed(piece if last else piece + TOOL_CALL_END, finished=last)
+    builder.finish("incomplete" if completion.finish_reason == "length" else "completed")
+    return builder.items
 
 
 async def _events(body: ResponsesRequest, snapshot: _Snapshot, generation: Generation, reasoning_parser: str | None):
-    writer = _EventWriter(snapshot)
-    reasoning_stream = ReasoningStream() if reasoning_parser is not None else None
-    tool_stream = ToolCallStream() if body.parses_tool_calls else None
-    open_item: tuple[int, dict] | None = None  # the reasoning or message item text is flowing into
-    texts: dict[int, str] = {}
-    num_calls = 0
-
-    def close_open_item(status: str):
-        nonlocal open_item
-        if open_item is None:
-            return
-        index, item = open_item
-        text, open_item = texts[index], None
-        item["status"] = status
-        if item["type"] == "reasoning":
-            item["content"] = [{"type": "reasoning_text", "text": text}]
-            yield writer.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
-                               content_index=0, text=text)
-        else:
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            item["content"] = [part]
-            yield writer.event("response.output_text.done", item_id=item["id"], output_index=index,
-                               content_index=0, text=text, logprobs=[])
-            yield writer.event("response.content_part.done", item_id=item["id"], output_index=index,
-                               content_index=0, part=part)
-        yield writer.event("response.output_item.done", output_index=index, item=item)
-
-    def text_into(kind: str, delta: str):
-        """Open the ``kind`` item if another (or none) is open, then send ``delta`` into it."""
-        nonlocal open_item
-        if open_item is None or open_item[1]["type"] != kind:
-            yield from close_open_item("completed")
-            item = (_reasoning_item(_item_id("rs"), "", "in_progress") if kind == "reasoning"
-                    else _message_item(_item_id("msg"), None, "in_progress"))
-            index, added = writer.add_item(item)
-            yield added
-            texts[index] = ""
-            if kind == "message":
-                yield writer.event("response.content_part.added", item_id=item["id"], output_index=index,
-                                   content_index=0, part={"type": "output_text", "text": "", "annotations": [],
-                                                          "logprobs": []})
-            open_item = (index, item)
-        index, item = open_item
-        texts[index] += delta
-        kind_event = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
-        yield writer.event(kind_event, item_id=item["id"], output_index=index, content_index=0, delta=delta, **extra)
-
+    builder = _ItemBuilder(body, reasoning_parser)
     try:
-        yield writer.event("response.created", response=snapshot.response([]))
-        yield writer.event("response.in_progress", response=snapshot.response([]))
+        yield builder.event("response.created", response=snapshot.response([]))
+        yield builder.event("response.in_progress", response=snapshot.response([]))
         sent_text, output, completion = "", None, None
         async for output in generation:
             completion = output.outputs[0]
             finished = completion.finish_reason is not None
             delta, sent_text = completion.text[len(sent_text):], completion.text
-            reasoning, content = reasoning_stream.feed(delta, finished) if reasoning_stream else ("", delta)
-            calls = []
-            if tool_stream is not None:
-                content, calls = tool_stream.feed(content, finished)
-            if reasoning:
-                for event in text_into("reasoning", reasoning):
-                    yield event
-            if content:
-                for event in text_into("message", content):
-                    yield event
-            for call in calls:
-                if body.max_tool_calls is not None and num_calls >= body.max_tool_calls:
-                    continue
-                num_calls += 1
-                for event in close_open_item("completed"):
-                    yield event
-                item = _call_item(call)
-                index, added = writer.add_item(dict(item, arguments="", status="in_progress"))
-                writer.items[index] = item
-                yield added
-                yield writer.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                   delta=item["arguments"])
-                yield writer.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                   arguments=item["arguments"])
-                yield writer.event("response.output_item.done", output_index=index, item=item)
+            for event in builder.feed(delta, finished):
+                yield event
         if completion is None:
             return
-        status = "incomplete" if completion.finish_reason == "length" else "completed"
-        if not writer.items:  # an empty reply still has its (empty) message
-            for event in text_into("message", ""):
-                yield event
-        for event in close_open_item(status):
+        for event in builder.finish("incomplete" if completion.finish_reason == "length" else "completed"):
             yield event
-        final = snapshot.response(writer.items, completion, output)
-        yield writer.event("response.incomplete" if final["status"] == "incomplete" else "response.completed",
-                           response=final)
+        final = snapshot.response(builder.items, completion, output)
+        yield builder.event("response.incomplete" if final["status"] == "incomplete" else "response.completed",
+                            response=final)
     except Exception as error:  # headers are sent: the error travels as an event
         api_error = engine_error(error)
-        yield writer.event("error", code=api_error.code, message=api_error.message, param=api_error.param)
+        yield builder.event("error", code=api_error.code, message=api_error.message, param=api_error.param)
     finally:
         generation.close()

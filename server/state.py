@@ -56,15 +56,16 @@ class ServerState:
 
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                           continue_final_message: bool = False, template_kwargs: dict | None = None,
-                          tools: list[dict] | None = None) -> list[int]:
+                          tools: list[dict] | None = None, param: str = "messages") -> list[int]:
+        """The prompt's token ids; errors are 400s naming ``param`` (the request's field)."""
         try:
             return await self._off_loop(apply_chat_template, self.tokenizer, messages, self.chat_template,
                                         add_generation_prompt, continue_final_message, template_kwargs, tools)
         except ValueError as error:
-            raise bad_request(str(error), param="messages") from error
+            raise bad_request(str(error), param=param) from error
         except Exception as error:  # a Jinja error names what in the template broke
             raise bad_request(f"the chat template cannot render these messages: {error}",
-                              param="messages") from error
+                              param=param) from error
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:

@@ -110,6 +110,10 @@ def test_a_stream_cut_by_max_output_tokens_ends_incomplete(served):
      "input.0.content"),
     ({"input": [{"type": "file_search_call", "id": "x"}]}, "input.0"),
     ({"tool_choice": "required", "tools": TOOLS}, "tool_choice"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"text": {"format": "json"}}, "text.format"),
+    ({"extra_body": {"logit_bias": {"5": 1.0}}}, "logit_bias"),
+    ({"extra_body": {"structured_outputs": {"json": {}}}}, "structured_outputs"),
 ])
 def test_what_a_stateless_text_server_cannot_do_is_a_400_naming_the_field(served, fields, param):
     client, _ = served
@@ -122,3 +126,50 @@ def test_the_model_name_is_checked(served):
     client, _ = served
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="gpt-6", input="hello")
+
+
+def test_whole_and_streamed_responses_carry_the_same_items_and_validate_strictly(served):
+    """Text after a tool call, a reasoning-only reply and an empty one: the same items either way,
+    and every body and event parses with the client's own models."""
+    from openai.types.responses import Response
+
+    client, script = served
+    for reply, expected in [("A." + CALL + "B.", ["message", "function_call", "message"]),
+                            ("<think>only thinking</think>", ["reasoning"]),
+                            ("", ["message"])]:
+        script.say(reply)
+        whole = client.responses.with_raw_response.create(model="tiny", input="hi", tools=TOOLS, temperature=0)
+        body = Response.model_validate_json(whole.text, strict=True)
+        script.say(reply)
+        events = list(client.responses.create(model="tiny", input="hi", tools=TOOLS, temperature=0, stream=True))
+        final = events[-1].response
+        assert [item.type for item in body.output] == [item.type for item in final.output] == expected, reply
+        assert body.output_text == final.output_text
+        assert not any(event.type.endswith(".delta") and event.delta == "" for event in events
+                       if hasattr(event, "delta"))
+
+
+@pytest.mark.parametrize("item, param", [
+    ({"type": "function_call", "name": "get_weather", "arguments": "{}"}, "input.0.call_id"),
+    ({"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": {"city": "x"}},
+     "input.0.arguments"),
+    ({"type": "function_call_output", "call_id": "c", "output": 3}, "input.0.output"),
+    ({"role": "user", "content": [{"type": ["input_text"], "text": "hi"}]}, "input.0.content"),
+])
+def test_malformed_items_are_400s_naming_the_field(served, item, param):
+    client, _ = served
+    with pytest.raises(openai.BadRequestError) as error:
+        client.responses.create(model="tiny", input=[item])
+    assert error.value.body["param"] == param
+
+
+def test_a_function_call_output_given_as_text_parts_is_joined(served):
+    client, script = served
+    script.say("ok")
+    response = client.responses.create(model="tiny", temperature=0, input=[
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1",
+         "output": [{"type": "input_text", "text": "sun"}, {"type": "input_text", "text": "ny"}]}])
+    rendered = '<assistant>[{"function": {"arguments": {}, "name": "get_weather"}, "id": "c1", "type": "function"}]' \
+               '<tool>sun\nny<assistant>'
+    assert response.usage.input_tokens == len(rendered)
