@@ -136,7 +136,35 @@ class _SamplingRequest(_Strict):
         )
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class _ToolOptions:
+    """``tools`` / ``tool_choice`` / ``parallel_tool_calls`` as chat and responses share them
+    (a mixin of methods only: the fields are each request's own)."""
+
+    tools: list[dict] | None
+    tool_choice: str | dict | None
+    parallel_tool_calls: bool | None
+
+    @property
+    def max_tool_calls(self) -> int | None:
+        """``parallel_tool_calls: false`` keeps the first call only, as vLLM does."""
+        return 1 if self.parallel_tool_calls is False else None
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Whether the reply's text is parsed for tool calls (tools given, tool_choice "auto")."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
+
+    def check_tool_choice(self, tool_call_parser: str | None) -> None:
+        """``tool_call_parser``: the server's, when it serves tool_choice "auto" (else None)."""
+        if self.tool_choice not in (None, "none", "auto"):
+            raise unsupported("tool_choice", f"tool_choice={self.tool_choice!r} (it needs guided decoding; "
+                                             f"'auto' and 'none' are served)")
+        if self.parses_tool_calls and tool_call_parser is None:
+            raise unsupported("tools", "tool calling on this server (start it with --enable-auto-tool-choice "
+                                       "--tool-call-parser hermes), or send tool_choice 'none'")
+
+
+class ChatCompletionRequest(_SamplingRequest, _ToolOptions):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
@@ -160,17 +188,6 @@ class ChatCompletionRequest(_SamplingRequest):
     reasoning_effort: str | None = None  # handed to the chat template (templates that read it use it)
     echo: bool | None = None  # vLLM's: refused unless false
 
-
-    @property
-    def max_tool_calls(self) -> int | None:
-        """``parallel_tool_calls: false`` keeps the first call only, as vLLM does."""
-        return 1 if self.parallel_tool_calls is False else None
-
-    @property
-    def parses_tool_calls(self) -> bool:
-        """Whether the reply's text is parsed for tool calls (tools given, tool_choice "auto")."""
-        return bool(self.tools) and self.tool_choice in (None, "auto")
-
     def check_supported(self, tool_call_parser: str | None = None) -> None:
         """``tool_call_parser``: the server's, when it serves tool_choice "auto" (else None)."""
         self.check_common()
@@ -182,12 +199,7 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.tools is not None and not all(isinstance(tool, dict) and tool.get("type") == "function"
                                               and isinstance(tool.get("function"), dict) for tool in self.tools):
             raise bad_request("every tool must be {\"type\": \"function\", \"function\": {...}}", param="tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise unsupported("tool_choice", f"tool_choice={self.tool_choice!r} (it needs guided decoding; "
-                                             f"'auto' and 'none' are served)")
-        if self.parses_tool_calls and tool_call_parser is None:
-            raise unsupported("tools", "tool calling on this server (start it with --enable-auto-tool-choice "
-                                       "--tool-call-parser hermes), or send tool_choice 'none'")
+        self.check_tool_choice(tool_call_parser)
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise unsupported("response_format", f"response_format {self.response_format.get('type')!r}")
         if self.modalities not in (None, ["text"]):
@@ -275,12 +287,16 @@ def template_kwargs(request: ChatCompletionRequest | TokenizeRequest) -> dict[st
     return kwargs
 
 
-def check_template_options(request: ChatCompletionRequest | TokenizeRequest) -> None:
-    """The checks vLLM makes of the options that change how messages render."""
-    reserved = sorted(set(request.chat_template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
+def check_reserved_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    reserved = sorted(set(kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)} (the server sets it)",
                           param="chat_template_kwargs")
+
+
+def check_template_options(request: ChatCompletionRequest | TokenizeRequest) -> None:
+    """The checks vLLM makes of the options that change how messages render."""
+    check_reserved_template_kwargs(request.chat_template_kwargs)
     if request.continue_final_message:
         if request.add_generation_prompt:
             raise bad_request("continue_final_message needs add_generation_prompt set to false (a new "
@@ -317,7 +333,7 @@ def _require_strings(item: dict, index: int, fields: tuple[str, ...]) -> None:
                               f"{item.get(field)!r}", param=f"input.{index}.{field}")
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(_Strict, _ToolOptions):
     """``POST /v1/responses``: OpenAI's Responses API, as far as a stateless text server goes.
 
     ``input`` is text or a list of items: messages (``content`` text or ``input_text`` /
@@ -353,14 +369,6 @@ class ResponsesRequest(_Strict):
     repetition_penalty: float | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
-    @property
-    def parses_tool_calls(self) -> bool:
-        return bool(self.tools) and self.tool_choice in (None, "auto")
-
-    @property
-    def max_tool_calls(self) -> int | None:
-        return 1 if self.parallel_tool_calls is False else None
-
     def check_supported(self, tool_call_parser: str | None = None) -> None:
         extra = self.model_extra or {}
         for name, value in extra.items():  # as chat: asked-for vLLM features Weir lacks are refused
@@ -394,16 +402,8 @@ class ResponsesRequest(_Strict):
             if not isinstance(tool.get("parameters", {}), (dict, type(None))):
                 raise bad_request("a function tool's parameters must be a JSON schema object",
                                   param=f"tools.{index}.parameters")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise unsupported("tool_choice", f"tool_choice={self.tool_choice!r} (it needs guided decoding; "
-                                             f"'auto' and 'none' are served)")
-        if self.parses_tool_calls and tool_call_parser is None:
-            raise unsupported("tools", "tool calling on this server (start it with --enable-auto-tool-choice "
-                                       "--tool-call-parser hermes), or send tool_choice 'none'")
-        reserved = sorted(set(self.chat_template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
-        if reserved:
-            raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)} (the server sets it)",
-                              param="chat_template_kwargs")
+        self.check_tool_choice(tool_call_parser)
+        check_reserved_template_kwargs(self.chat_template_kwargs)
         if isinstance(self.input, list) and not self.input:
             raise bad_request("input must hold at least one item", param="input")
 

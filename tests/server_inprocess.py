@@ -68,3 +68,15 @@ class ScriptedReply:
         forced = torch.full_like(logits, -1e4)
         forced[:, self.tokens.pop(0) if self.tokens else TINY_EOS_ID] = 1e4
         return forced
+
+
+@contextlib.contextmanager
+def scripted_tool_server(model_path):
+    """A server with Hermes tool calls and qwen3 reasoning parsed, ``TEMPLATE`` as its chat
+    template, one request at a time: yields ``(openai client, ScriptedReply)``."""
+    import openai
+
+    settings = ServerSettings(enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3")
+    with serve_in_thread(model_path, settings, chat_template=TEMPLATE, max_num_seqs=1) as (port, engine, _):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        yield client, ScriptedReply(engine.engine)

@@ -10,8 +10,7 @@ import json
 import openai
 import pytest
 
-from server_inprocess import CALL, TEMPLATE, ScriptedReply, serve_in_thread
-from weir.server.settings import ServerSettings
+from server_inprocess import CALL, scripted_tool_server
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "weather of a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
@@ -19,10 +18,8 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "weather of 
 
 @pytest.fixture(scope="module")
 def served(tiny_llama_path):
-    settings = ServerSettings(enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3")
-    with serve_in_thread(tiny_llama_path, settings, chat_template=TEMPLATE, max_num_seqs=1) as (port, engine, _):
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
-        yield client, ScriptedReply(engine.engine)
+    with scripted_tool_server(tiny_llama_path) as served:
+        yield served
 
 
 def test_text_in_text_out(served):

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 
-from server_inprocess import CALL, TEMPLATE, ScriptedReply, serve_in_thread
+from server_inprocess import CALL, scripted_tool_server
 from weir.server.reasoning import ReasoningStream, parse_reasoning
-from weir.server.settings import ServerSettings
 from weir.server.tool_calls import ToolCallStream, parse_tool_calls
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
@@ -24,10 +22,8 @@ REPLY = "Sure.\n" + CALL
 
 @pytest.fixture(scope="module")
 def served(tiny_llama_path):
-    settings = ServerSettings(enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3")
-    with serve_in_thread(tiny_llama_path, settings, chat_template=TEMPLATE, max_num_seqs=1) as (port, engine, _):
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
-        yield client, ScriptedReply(engine.engine)
+    with scripted_tool_server(tiny_llama_path) as served:
+        yield served
 
 
 def test_a_tool_call_comes_back_as_tool_calls(served):
