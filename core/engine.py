@@ -115,7 +115,8 @@ class LLMEngine:
         for option, table in (("attention_backend", registry.attention_backends),
                               ("moe_backend", registry.moe_backends)):
             value = getattr(args, option)
-            names = [name.strip() for name in value.split(",")] if option == "attention_backend" and value else [value]
+            names = ([name.strip() for name in value.split(",") if name.strip()]
+                     if option == "attention_backend" and value else [value])
             for name in names:
                 if name is not None and name not in table:
                     raise ValueError(f"{option} {name!r} is not registered; known: {', '.join(sorted(table))}"

@@ -83,7 +83,8 @@ class CausalLM(Protocol):
     def attention_layers(self) -> list[AttentionLayerSpec]: ...
 
 
-REQUIRED_METHODS = ("forward", "compute_logits", "attention_layers")
+# forward is left out: every nn.Module has one (that raises when called), so torch names it.
+REQUIRED_METHODS = ("compute_logits", "attention_layers")
 
 
 def check_model_class(model_cls: type) -> None:

@@ -58,12 +58,14 @@ with torch.no_grad():
 torch.save(results, sys.argv[2])
 """.format(blocked=_REFERENCE_BLOCKED)
 
-# (tokens, routed experts, top_k, renormalize, shared experts, activation)
+# (tokens, routed experts, top_k, renormalize, shared experts, activation): decode-size batches,
+# and one of ~100 rows per expert, where fused kernels switch to their prefill tiles.
 MOE_CASES = (
     (1, 8, 2, True, 0, "silu"),
     (7, 8, 2, False, 1, "silu"),
     (33, 16, 4, True, 1, "silu"),
     (5, 4, 4, True, 0, "gelu"),
+    (400, 8, 2, True, 1, "silu"),
 )
 GDN_LAYERS = (
     GatedDeltaNetLayerSpec(layer_idx=0, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16, conv_kernel=4),
@@ -71,11 +73,14 @@ GDN_LAYERS = (
     GatedDeltaNetLayerSpec(layer_idx=1, num_k_heads=1, num_v_heads=3, head_k_dim=12, head_v_dim=20, conv_kernel=3),
 )
 NUM_SLOTS = 6  # slots 0..5 for requests; slot 6 is the padding slot
-# Steps of three requests on scattered slots: (query lengths, slots). The last step adds a
-# CUDA-graph padding request on the padding slot, whose output and slot are not compared.
+# Steps of three requests on scattered slots: (query lengths, slots). The first prompt spans
+# several chunks of chunked kernels (fla's are 64 tokens). Decode-only steps carry no host copy
+# of the request starts, as inside a CUDA graph; the last adds a CUDA-graph padding request on
+# the padding slot, whose output and slot are not compared.
 GDN_STEPS = (
-    ((5, 1, 9), (2, 0, 5)),  # prefill, one of them a single token
+    ((150, 1, 9), (2, 0, 5)),  # prefill, one of them a single token
     ((1, 1, 4), (2, 0, 5)),  # two decodes ahead of a chunk: a mixed step
+    ((1, 1, 1), (2, 0, 5)),  # decodes
     ((1, 1, 1, 1), (2, 0, 5, NUM_SLOTS)),  # decodes plus a padding request
 )
 
@@ -149,12 +154,15 @@ def check_moe_backend(backend: MoEBackend, device: str | torch.device = "cpu", d
             return (torch.randn(*shape, generator=generator) * scale).to(device=device, dtype=dtype)
 
         hidden = randn(num_tokens, hidden_size)
-        router_logits = randn(num_tokens, num_routed)
+        # Column slices of one wider output, as a model's merged router GEMM hands them over.
+        router_output = randn(num_tokens, num_routed + num_shared + 3)
+        router_logits = router_output[:, :num_routed]
         w_gate_up = randn(num_experts, 2 * intermediate, hidden_size, scale=hidden_size ** -0.5)
         w_down = randn(num_experts, hidden_size, intermediate, scale=intermediate ** -0.5)
         shared = {}
         if num_shared:
-            shared = dict(num_shared_experts=num_shared, shared_gate_logits=randn(num_tokens, num_shared))
+            shared = dict(num_shared_experts=num_shared,
+                          shared_gate_logits=router_output[:, num_routed:num_routed + num_shared])
         arguments = (hidden, router_logits, w_gate_up, w_down, top_k, renormalize, activation)
         actual = backend.forward(*arguments, **shared)
         expected = reference.forward(*arguments, **shared)
@@ -191,7 +199,8 @@ def check_linear_attention_backend(
         conv_weight = randn(layer.conv_dim, layer.conv_kernel, scale=0.5)
         for step, (query_lens, slots) in enumerate(GDN_STEPS):
             num_tokens = sum(query_lens)
-            mixed_qkv = randn(num_tokens, layer.conv_dim)
+            # Rows strided, as the model's merged input projection hands them over.
+            mixed_qkv = randn(num_tokens, layer.conv_dim + 2 * layer.num_v_heads)[:, :layer.conv_dim]
             g = -torch.nn.functional.softplus(randn(num_tokens, layer.num_v_heads, out_dtype=torch.float32)) * 0.5
             beta = torch.sigmoid(randn(num_tokens, layer.num_v_heads, out_dtype=torch.float32)).to(dtype)
             outputs = [backend.forward(layer, mixed_qkv, g, beta, conv_weight, state,
@@ -215,11 +224,12 @@ def check_linear_attention_backend(
 def _step_metadata(query_lens: tuple[int, ...], slots: tuple[int, ...], device: torch.device
                    ) -> LinearAttentionMetadata:
     query_start_loc_cpu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    decode_only = max(query_lens) == 1  # a step a CUDA graph may replay: no host values
     return LinearAttentionMetadata(
         query_start_loc=query_start_loc_cpu.to(device),
         state_indices=torch.tensor(slots, dtype=torch.int32, device=device),
         num_reqs=len(query_lens), num_tokens=sum(query_lens), max_query_len=max(query_lens),
-        query_start_loc_cpu=query_start_loc_cpu,
+        query_start_loc_cpu=None if decode_only else query_start_loc_cpu,
     )
 
 

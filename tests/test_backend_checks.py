@@ -10,7 +10,9 @@ from weir.plugins.moe_backends.torch_ref import TorchMoEBackend
 from weir.testing import check_linear_attention_backend, check_moe_backend
 
 
-def test_the_references_pass_their_own_checks():
+def test_the_checks_run_on_the_references():
+    """The harness itself (allocation, metadata, tolerances) on the references; the tests below
+    show each check failing a wrong backend."""
     check_moe_backend(TorchMoEBackend())
     check_linear_attention_backend(TorchGDNBackend)
     check_linear_attention_backend(TorchGDNBackend, dtype=torch.bfloat16, state_dtype=torch.bfloat16)
@@ -25,6 +27,17 @@ class _DropsSharedExperts(TorchMoEBackend):
         return weights, ids
 
 
+class _PackedRouterRows(TorchMoEBackend):
+    """Reads the router logits as if their rows were packed (a kernel ignoring their stride)."""
+
+    name = "packed_rows"
+
+    def route(self, router_logits, *args, **kwargs):
+        packed = torch.as_strided(router_logits, router_logits.shape, (router_logits.shape[1], 1),
+                                  router_logits.storage_offset())
+        return super().route(packed, *args, **kwargs)
+
+
 class _OneColumnShort(TorchMoEBackend):
     name = "short"
 
@@ -34,11 +47,22 @@ class _OneColumnShort(TorchMoEBackend):
 
 @pytest.mark.parametrize("backend, message", [
     (_DropsSharedExperts(), r"'drops_shared', case .* = \(7, 8, 2, False, 1, 'silu'\): Tensor-likes are not close"),
+    (_PackedRouterRows(), r"'packed_rows', case .* = \(7, 8, 2, False, 1, 'silu'\)"),
     (_OneColumnShort(), r"'short', case .*: got torch.float32 \(1, 31\), expected torch.float32 \(1, 32\)"),
 ])
 def test_a_wrong_moe_backend_fails_naming_the_case(backend, message):
     with pytest.raises(AssertionError, match=message):
         check_moe_backend(backend)
+
+
+class _RowStrideBlind(TorchGDNBackend):
+    """Reads ``mixed_qkv`` as if its rows were packed, as a kernel indexing ``row * conv_dim`` would."""
+
+    name = "stride_blind"
+
+    def forward(self, layer, mixed_qkv, g, beta, conv_weight, state, metadata):
+        packed = torch.as_strided(mixed_qkv, mixed_qkv.shape, (mixed_qkv.shape[1], 1), mixed_qkv.storage_offset())
+        return super().forward(layer, packed, g, beta, conv_weight, state, metadata)
 
 
 class _ForgetsState(TorchGDNBackend):
@@ -68,7 +92,8 @@ class _ZeroesEveryStep(TorchGDNBackend):
 
 
 @pytest.mark.parametrize("backend_cls, message", [
-    (_ForgetsState, r"'forgets_state', layer .*, step 0 \(5, 1, 9\): recurrent state of the used slots"),
+    (_RowStrideBlind, r"'stride_blind', layer .*, step 0 \(150, 1, 9\): output"),
+    (_ForgetsState, r"'forgets_state', layer .*, step 0 \(150, 1, 9\): recurrent state of the used slots"),
     (_ZeroesEveryStep, r"'zeroes' changed the conv_state of slots \[1, 3, 4\]"),
 ])
 def test_a_wrong_linear_attention_backend_fails_naming_the_step(backend_cls, message):

@@ -140,3 +140,9 @@ def test_unavailable_device(tiny_llama_path):
         pytest.skip("this machine has CUDA")
     with pytest.raises(RuntimeError, match="cuda"):
         LLM(str(tiny_llama_path), device="cuda")
+
+
+def test_attention_backend_lists_are_checked_name_by_name(tiny_llama_path):
+    LLM(str(tiny_llama_path), device="cpu", attention_backend="torch,")  # a trailing comma names nothing
+    with pytest.raises(ValueError, match="attention_backend 'flash' is not registered; known: gdn_fla"):
+        LLM(str(tiny_llama_path), device="cpu", attention_backend="torch,flash")

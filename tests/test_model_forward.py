@@ -254,6 +254,15 @@ def test_sliding_windows_a_full_attention_model_would_ignore_are_refused(tmp_pat
         LLM(str(path), device="cpu", max_model_len=128)
 
 
+def test_a_window_switched_off_is_not_a_window(tmp_path):
+    """Llama configs converted from Qwen2 keep its sliding_window with use_sliding_window false;
+    transformers ignores the field then, and so does Weir."""
+    path = make_tiny_llama(tmp_path / "llama", with_tokenizer=True, sliding_window=64, use_sliding_window=False)
+    output = LLM(str(path), device="cpu", max_model_len=128).generate(
+        {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert len(output[0].outputs[0].token_ids) == 2
+
+
 def test_a_window_longer_than_max_model_len_runs_as_full_attention(tmp_path):
     path = make_tiny_llama(tmp_path / "llama", with_tokenizer=True, sliding_window=64)
     output = LLM(str(path), device="cpu", max_model_len=64).generate(

@@ -109,6 +109,8 @@ def require_full_attention(hf_config: Any, max_model_len: int | None = None) -> 
         raise ValueError(f"{type(hf_config).__name__}: layer_types {other_kinds} are not supported "
                          "by this model implementation (only full_attention)")
     window = getattr(hf_config, "sliding_window", None)
+    if getattr(hf_config, "use_sliding_window", None) is False:  # Qwen2-style configs switch it off
+        window = None
     if window and not layer_types and (max_model_len is None or max_model_len > window):
         raise ValueError(f"{type(hf_config).__name__}: sliding_window={window} is not supported by this model "
                          f"implementation (full attention only); with max_model_len <= {window} every token "
