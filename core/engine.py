@@ -25,6 +25,7 @@ from weir.runner.model_runner import ModelRunner
 from weir.sampling_params import SamplingParams
 from weir.scheduler import Scheduler
 from weir.scheduler.scheduler import RequestUpdate
+from weir.selection import backend_names
 from weir.tokenizer import encode_prompt, start_loading_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -112,13 +113,11 @@ class LLMEngine:
         registry = load_plugins()
         # Checked here, not when chosen: a model without MoE layers never asks for its backend,
         # and a misspelt name would otherwise pass unnoticed.
-        for option, table in (("attention_backend", registry.attention_backends),
-                              ("moe_backend", registry.moe_backends)):
-            value = getattr(args, option)
-            names = ([name.strip() for name in value.split(",") if name.strip()]
-                     if option == "attention_backend" and value else [value])
+        requested = {"attention_backend": (backend_names(args.attention_backend), registry.attention_backends),
+                     "moe_backend": ([args.moe_backend] if args.moe_backend else [], registry.moe_backends)}
+        for option, (names, table) in requested.items():
             for name in names:
-                if name is not None and name not in table:
+                if name not in table:
                     raise ValueError(f"{option} {name!r} is not registered; known: {', '.join(sorted(table))}"
                                      f"{registry.restriction_note()}")
         platform = registry.select_platform(args.device)

@@ -60,6 +60,11 @@ def select_attention_backend(
     )
 
 
+def backend_names(requested: str | None) -> list[str]:
+    """``"triton, gdn_fla"`` -> ``["triton", "gdn_fla"]``; empty entries name nothing."""
+    return [name.strip() for name in (requested or "").split(",") if name.strip()]
+
+
 def select_attention_backends(
     registry: "PluginRegistry", platform: Platform, layer_kinds: set[str], requested: str | None
 ) -> dict[str, type]:
@@ -70,9 +75,8 @@ def select_attention_backends(
     requested backend that serves none of the model's kinds, or two that serve the same kind,
     is an error.
     """
-    names = [name.strip() for name in (requested or "").split(",") if name.strip()]
     chosen_by_kind: dict[str, str] = {}
-    for name in names:
+    for name in backend_names(requested):
         backend_cls = registry.resolve_attention_backend(name)  # unknown name -> ValueError
         served = {kind for kind in layer_kinds if kind in backend_cls.supported_layer_kinds}
         if not served:  # raises, naming what the requested backend lacks

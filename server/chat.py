@@ -22,7 +22,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     chat = parse(ChatCompletionRequest, await read_json(request, state.settings.max_request_body_bytes))
     state.check_model(chat.model)
     settings = state.settings
-    chat.check_supported(settings.tool_call_parser if settings.enable_auto_tool_choice else None)
+    chat.check_supported(settings.auto_tool_call_parser)
     try:
         params = chat.to_sampling_params(state.sampling_defaults)
     except ValueError as error:

@@ -74,6 +74,23 @@ UNSUPPORTED_VLLM_FIELDS = {
 }
 
 
+# The sampling fields a checkpoint's generation_config may default (weir.model_files).
+DEFAULTABLE_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                               "repetition_penalty")
+
+
+def sampling_fields_with_defaults(request: BaseModel, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The request's sampling fields, the checkpoint's defaults filling those it left out (and
+    has); fields neither sets stay out, for SamplingParams' own defaults."""
+    chosen = {}
+    for name in DEFAULTABLE_SAMPLING_FIELDS:
+        value = getattr(request, name, None)
+        value = defaults.get(name) if value is None else value
+        if value is not None:
+            chosen[name] = value
+    return chosen
+
+
 class _SamplingRequest(_Strict):
     """Fields shared by chat and completions, with vLLM's extras."""
 
@@ -122,17 +139,11 @@ class _SamplingRequest(_Strict):
                         defaults: dict[str, Any]) -> SamplingParams:
         """Raises ValueError naming the field when a value is out of range. ``defaults`` (the
         model's generation_config values) fill the sampling fields the request left out."""
-        optional = {
-            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
-        }
-        chosen = {name: value if value is not None else defaults.get(name) for name, value in optional.items()}
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, stop=self.stop, seed=self.seed, min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids or [], logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
-            **{name: value for name, value in chosen.items() if value is not None},
+            **sampling_fields_with_defaults(self, defaults),
         )
 
 
@@ -466,9 +477,5 @@ class ResponsesRequest(_Strict, _ToolOptions):
         return {"role": role, "content": content}
 
     def to_sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
-        optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                    "min_p": self.min_p, "repetition_penalty": self.repetition_penalty}
-        chosen = {name: value if value is not None else defaults.get(name) for name, value in optional.items()}
         max_tokens = self.max_output_tokens if self.max_output_tokens is not None else defaults.get("max_tokens")
-        return SamplingParams(max_tokens=max_tokens,
-                              **{name: value for name, value in chosen.items() if value is not None})
+        return SamplingParams(max_tokens=max_tokens, **sampling_fields_with_defaults(self, defaults))

@@ -38,7 +38,7 @@ async def create_response(request: Request, state: ServerState) -> Response:
     body = parse(ResponsesRequest, await read_json(request, state.settings.max_request_body_bytes))
     state.check_model(body.model)
     settings = state.settings
-    body.check_supported(settings.tool_call_parser if settings.enable_auto_tool_choice else None)
+    body.check_supported(settings.auto_tool_call_parser)
     try:
         params = body.to_sampling_params(state.sampling_defaults)
     except ValueError as error:

@@ -28,6 +28,11 @@ class ServerSettings:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None  # "qwen3": <think>...</think> goes to reasoning_content
 
+    @property
+    def auto_tool_call_parser(self) -> str | None:
+        """The parser that serves tool_choice "auto", or None when the server does not serve it."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
+
     def __post_init__(self) -> None:
         for name in ("max_num_queued_reqs", "max_num_queued_tokens", "max_request_body_bytes"):
             if getattr(self, name) <= 0:
