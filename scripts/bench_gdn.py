@@ -1,7 +1,8 @@
 """Gated DeltaNet kernel timings on CUDA at Qwen3-Next shapes (H=16, HV=32, Dk=Dv=128, conv 8192x4):
-Weir's slot-indexed decode kernels (conv, and the recurrent step with a sweep of its tiles and
-cache hints; bandwidth counts the recurrent state read and written) timed in CUDA graphs, and
-fla's chunk prefill (eager).
+Weir's varlen prefill conv against fla's conv and the copies it replaced (eager), Weir's
+slot-indexed decode kernels (conv, and the recurrent step with a sweep of its tiles and cache
+hints; bandwidth counts the recurrent state read and written) timed in CUDA graphs, and fla's
+chunk prefill (eager).
 
     python3 scripts/bench_gdn.py
 """
@@ -101,7 +102,55 @@ def chunk(num_tokens: int, num_seqs: int) -> None:
     print(f"fla chunk T={num_tokens} seqs={num_seqs}: {ms:.2f} ms")
 
 
+def prefill_conv(num_tokens: int, num_seqs: int) -> None:
+    """Weir's varlen prefill conv (strided input, q/k/v out in separate buffers, states in place)
+    against what it replaced: fla's conv on a contiguous copy with gathered and scattered states,
+    and the q/k/v copies and q/k L2 norms of fla's chunk entry."""
+    from fla.modules.causal_conv1d import causal_conv1d
+    from fla.modules.norm.l2norm import l2norm_fwd
+
+    from weir.plugins.attention.gdn_fla import chunk_indices_from_query_start_loc
+    from weir.plugins.attention.gdn_triton_prefill import conv_prefill
+
+    in_proj = torch.randn(num_tokens, CONV_DIM + 2 * HV * DV // 2, dtype=torch.bfloat16, device="cuda")
+    mixed = in_proj[:, :CONV_DIM]  # a column slice, as the model's in_proj output gives it
+    weight = torch.randn(CONV_DIM, CONV_KERNEL, dtype=torch.bfloat16, device="cuda")
+    conv_state = torch.zeros(513, CONV_DIM, CONV_KERNEL, dtype=torch.bfloat16, device="cuda")
+    slots = torch.randperm(512, device="cuda")[:num_seqs]
+    bounds = torch.linspace(0, num_tokens, num_seqs + 1).long()
+    cu, chunks = bounds.cuda(), torch.tensor(chunk_indices_from_query_start_loc(bounds.numpy(), 64), device="cuda")
+
+    def weir(num_warps=4):
+        return conv_prefill(mixed, conv_state, weight, slots, cu, chunks, num_k_heads=H, head_k_dim=DK,
+                            num_v_heads=HV, head_v_dim=DV, num_warps=num_warps)
+
+    def fla():
+        out, final = causal_conv1d(x=mixed.contiguous().unsqueeze(0), weight=weight,
+                                   initial_state=conv_state.index_select(0, slots), output_final_state=True,
+                                   activation="silu", cu_seqlens=cu, cu_seqlens_cpu=bounds, chunk_indices=chunks)
+        conv_state.index_copy_(0, slots, final)
+        q, k, v = out[0].split([H * DK, H * DK, HV * DV], dim=-1)
+        l2norm_fwd(q.contiguous().view(-1, DK)), l2norm_fwd(k.contiguous().view(-1, DK)), v.contiguous()
+
+    moved = 2 * mixed.numel() * mixed.element_size()  # x read once, q|k|v written once
+    start_state = conv_state.clone()
+    expected = weir()
+    timings = []
+    for num_warps in (4, 8, 16):
+        conv_state.copy_(start_state)
+        outputs = weir(num_warps)
+        same = all(torch.equal(a, b) for a, b in zip(outputs, expected))
+        timings.append(f"{num_warps} warps {time_ms(lambda: weir(num_warps), iters=20) * 1e3:.0f} us"
+                       f"{'' if same else ' (OUTPUT DIFFERS)'}")
+    fla_ms = time_ms(fla, iters=20)
+    weir_ms = time_ms(weir, iters=20)
+    print(f"prefill conv T={num_tokens} seqs={num_seqs}: Weir {weir_ms * 1e3:.0f} us ({moved / weir_ms / 1e9:.2f} "
+          f"TB/s; {', '.join(timings)}), fla conv + copies + norms {fla_ms * 1e3:.0f} us", flush=True)
+
+
 def main() -> None:
+    for num_tokens, num_seqs in ((16384, 16), (8192, 256)):
+        prefill_conv(num_tokens, num_seqs)
     for state_dtype in (torch.float32, torch.bfloat16):
         for batch in (8, 64, 256):
             decode(batch, state_dtype)

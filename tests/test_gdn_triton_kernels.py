@@ -191,8 +191,43 @@ def check_gdn_decode_step_16bit_state(device):
     assert torch.equal(recurrent[UNTOUCHED_SLOTS], before[UNTOUCHED_SLOTS])
 
 
+def check_conv_prefill(device, dtype=torch.float32, layers=(SMALL, ODD)):
+    """The varlen prefill conv against the torch conv per request: outputs (q and k normalised,
+    each in its own buffer) and the new states, from strided input rows; other slots untouched."""
+    from weir.plugins.attention.gdn_fla import chunk_indices_from_query_start_loc
+    from weir.plugins.attention.gdn_torch_ops import causal_conv1d_with_state, l2_normalize
+    from weir.plugins.attention.gdn_triton_prefill import conv_prefill
+
+    # Two chunks of 64; requests shorter than the kernel (the new state keeps old taps); a single token.
+    query_lens, slots = [70, 1, 2, 5], [2, 0, 5, 3]
+    for layer in layers:
+        num_tokens, dim = sum(query_lens), layer.conv_dim
+        x = _randn(num_tokens, dim + 7, device=device, dtype=dtype, seed=70)[:, 3:3 + dim]  # strided rows
+        weight = _randn(dim, layer.conv_kernel, device=device, dtype=dtype, scale=0.5, seed=71)
+        conv_state = _conv_pool(layer, device, dtype, seed=72)
+        before = conv_state.clone()
+        cu_seqlens_cpu = np.array([0, *np.cumsum(query_lens)], dtype=np.int64)
+        chunk_table = chunk_indices_from_query_start_loc(cu_seqlens_cpu, 64)
+        q, k, v = conv_prefill(
+            x, conv_state, weight, torch.tensor(slots, device=device), torch.tensor(cu_seqlens_cpu, device=device),
+            torch.tensor(chunk_table, device=device), num_k_heads=layer.num_k_heads, head_k_dim=layer.head_k_dim,
+            num_v_heads=layer.num_v_heads, head_v_dim=layer.head_v_dim, chunk_size=64)
+        assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+        for request, slot in enumerate(slots):
+            rows = slice(int(cu_seqlens_cpu[request]), int(cu_seqlens_cpu[request + 1]))
+            out, expected_state = causal_conv1d_with_state(x[rows][None], before[slot][None], weight)
+            expected_q, expected_k, expected_v = out[0].split([layer.key_dim, layer.key_dim, layer.value_dim], -1)
+            heads_k = (layer.num_k_heads, layer.head_k_dim)
+            _assert_close(q[rows], l2_normalize(expected_q.unflatten(-1, heads_k)).to(dtype), dtype)
+            _assert_close(k[rows], l2_normalize(expected_k.unflatten(-1, heads_k)).to(dtype), dtype)
+            _assert_close(v[rows], expected_v.unflatten(-1, (layer.num_v_heads, layer.head_v_dim)), dtype)
+            assert torch.equal(conv_state[slot], expected_state[0]), f"request {request}"  # data movement: exact
+        untouched = [slot for slot in range(NUM_POOL_SLOTS + 1) if slot not in slots]
+        assert torch.equal(conv_state[untouched], before[untouched])
+
+
 CHECKS = [check_conv_decode_step, check_gdn_decode_step, check_gdn_decode_step_16bit_state,
-          check_backend_decode_steps]
+          check_backend_decode_steps, check_conv_prefill]
 
 
 test_kernels_interpreted_on_cpu, test_kernels_on_cuda = kernel_check_tests("test_gdn_triton_kernels", CHECKS)
@@ -297,6 +332,7 @@ def test_decode_kernels_at_qwen3_next_shapes(dtype):
     check_conv_decode_step("cuda", dtype, layers=(QWEN3_NEXT,), block_d=256)
     check_gdn_decode_step("cuda", dtype, layers=(QWEN3_NEXT,), block_v=32)
     check_backend_decode_steps("cuda", dtype, layer=QWEN3_NEXT)
+    check_conv_prefill("cuda", dtype, layers=(QWEN3_NEXT,))
 
 
 def _relative_error(actual, expected):

@@ -5,9 +5,10 @@
   on the state pools, with no host reads and no value-dependent allocations.
 - Any other step (prefill, chunked prefill, mixed) runs its leading one-token requests (the
   running decodes: the scheduler puts them first) through those same decode kernels, and
-  flattens the rest into one varlen sequence for fla's ``causal_conv1d`` and
-  ``chunk_gated_delta_rule`` on states gathered from their slots, then scatters the final states
-  back. Keeping decodes out of the chunk path spares them the gather, fla's copy and the scatter
+  flattens the rest into one varlen sequence: Weir's varlen conv (``gdn_triton_prefill``, in place
+  on the conv slots, q and k normalised in separate buffers), then fla's
+  ``chunk_gated_delta_rule`` on recurrent states gathered from their slots, whose final states
+  are scattered back. Keeping decodes out of the chunk path spares them the gather, fla's copy and the scatter
   of their whole state (about 4 MiB per request and layer at Qwen3-Next shapes).
 
 fla-core (0.6.0) is imported lazily: importing this module neither imports fla nor touches CUDA.
@@ -22,10 +23,11 @@ import torch
 
 from weir.linear_attention import GatedDeltaNetLayerSpec, LayerState, LinearAttentionBackend, LinearAttentionMetadata
 from weir.plugins.attention.gdn_triton_kernels import conv_decode_step, gdn_decode_step
+from weir.plugins.attention.gdn_triton_prefill import conv_prefill
 from weir.runner.staged_write import host_to_device
 
-# fla's chunk length. causal_conv1d always tiles by 64 (it does not forward a chunk size), so one
-# chunk-index table serves both kernels only while the GDN chunk stays 64 too.
+# fla's chunk length; Weir's prefill conv tiles tokens by the same chunks, so one chunk table
+# serves both.
 FLA_CHUNK_SIZE = 64
 MAX_HEAD_K_DIM = 256  # fla's chunk_gated_delta_rule_fwd_h asserts K <= 256
 
@@ -71,7 +73,6 @@ class FlaGDNBackend(LinearAttentionBackend):
     def unavailable_reason(cls) -> str | None:
         """A message when fla-core's kernels cannot be imported (imports them: call lazily)."""
         try:
-            import fla.modules.causal_conv1d  # noqa: F401
             import fla.ops.gated_delta_rule  # noqa: F401
         except Exception as error:  # a broken install (not only a missing one) makes it unusable too
             return (f"fla-core cannot be imported ({type(error).__name__}: {error}); install fla-core==0.6.0 "
@@ -160,32 +161,24 @@ class FlaGDNBackend(LinearAttentionBackend):
                                num_k_heads=layer.num_k_heads, head_k_dim=layer.head_k_dim)
 
     def _chunked(self, layer, mixed_qkv, g, beta, conv_weight, state, metadata) -> torch.Tensor:
-        """The chunk requests' tokens (``mixed_qkv [T, conv_dim]``): fla's varlen conv and chunk
-        kernels over states gathered from their slots."""
-        from fla.modules.causal_conv1d import causal_conv1d
+        """The chunk requests' tokens (``mixed_qkv [T, conv_dim]``, rows may be strided): Weir's
+        varlen conv in place on their slots, then fla's chunk kernel over gathered states."""
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
         slots = metadata.state_slots  # eager steps: no padding requests, so slots are distinct
-        varlen = dict(cu_seqlens=metadata.cu_seqlens, cu_seqlens_cpu=metadata.cu_seqlens_cpu,
-                      chunk_indices=metadata.chunk_indices)
-
-        conv_out, conv_final = causal_conv1d(
-            x=mixed_qkv.contiguous().unsqueeze(0), weight=conv_weight,
-            initial_state=state.conv_state.index_select(0, slots),  # [num_reqs, conv_dim, conv_kernel]
-            output_final_state=True, activation="silu", **varlen,
-        )  # [1, num_tokens, conv_dim], [num_reqs, conv_dim, conv_kernel]
-        state.conv_state.index_copy_(0, slots, conv_final)
-
-        key_dim = layer.key_dim
-        q = conv_out[..., :key_dim].unflatten(-1, (layer.num_k_heads, layer.head_k_dim))  # [1, T, H, Dk]
-        k = conv_out[..., key_dim:2 * key_dim].unflatten(-1, (layer.num_k_heads, layer.head_k_dim))
-        v = conv_out[..., 2 * key_dim:].unflatten(-1, (layer.num_v_heads, layer.head_v_dim))  # [1, T, HV, Dv]
+        q, k, v = conv_prefill(
+            mixed_qkv, state.conv_state, conv_weight, slots, metadata.cu_seqlens, metadata.chunk_indices,
+            num_k_heads=layer.num_k_heads, head_k_dim=layer.head_k_dim, num_v_heads=layer.num_v_heads,
+            head_v_dim=layer.head_v_dim, chunk_size=FLA_CHUNK_SIZE,
+        )  # q, k [T, H, Dk] L2-normalised, v [T, HV, Dv]: contiguous, so fla copies none of them
         # Keywords only: fla's GDN entry points differ in where g and beta sit positionally.
         core_out, recurrent_final = chunk_gated_delta_rule(
-            q=q, k=k, v=v, g=g.unsqueeze(0), beta=beta.unsqueeze(0),
+            q=q.unsqueeze(0), k=k.unsqueeze(0), v=v.unsqueeze(0), g=g.unsqueeze(0), beta=beta.unsqueeze(0),
             scale=layer.head_k_dim ** -0.5,
             initial_state=state.recurrent_state.index_select(0, slots).float(),  # [num_reqs, HV, Dk, Dv] fp32
-            output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=FLA_CHUNK_SIZE, **varlen,
+            output_final_state=True, use_qk_l2norm_in_kernel=False, chunk_size=FLA_CHUNK_SIZE,
+            cu_seqlens=metadata.cu_seqlens, cu_seqlens_cpu=metadata.cu_seqlens_cpu,
+            chunk_indices=metadata.chunk_indices,
         )  # [1, T, HV, Dv], [num_reqs, HV, Dk, Dv] fp32
         state.recurrent_state.index_copy_(0, slots, recurrent_final.to(state.recurrent_state.dtype))
         return core_out[0]  # fla's own buffer: no copy
