@@ -13,11 +13,30 @@ import torch
 import triton
 import triton.language as tl
 
+from bench_gdn import graph_us  # scripts/ is on the path when this runs as a script
 from weir.plugins.attention.gdn_triton_kernels import gdn_decode_step
 
 H, HV, DK, DV = 16, 32, 128, 128
 KEY_DIM = H * DK
 CONV_DIM = 2 * KEY_DIM + HV * DV
+
+
+@triton.jit
+def _update_tile(state_tile, q, k, v, decay, beta, out_ptrs, STREAM: tl.constexpr):
+    """Decay, delta-rule update and readout of one [Dk, BLOCK_V] state tile, stored back in place."""
+    if STREAM:
+        state = tl.load(state_tile, eviction_policy="evict_first")
+    else:
+        state = tl.load(state_tile)
+    state = state.to(tl.float32) * decay
+    correction = beta * (v - tl.sum(state * k[:, None], axis=0))
+    state = state + k[:, None] * correction[None, :]
+    out = tl.sum(state * q[:, None], axis=0)
+    if STREAM:
+        tl.store(state_tile, state.to(state_tile.dtype.element_ty), cache_modifier=".cs")
+    else:
+        tl.store(state_tile, state.to(state_tile.dtype.element_ty))
+    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty))
 
 
 @triton.jit
@@ -34,10 +53,10 @@ def _state_first_kernel(qkv_ptr, stride_qkv, g_ptr, stride_g, beta_ptr, stride_b
     slot = tl.load(state_indices_ptr + req).to(tl.int64)
     state_tile = (state_ptr + slot * stride_s_slot + v_head * stride_s_head
                   + rows_k[:, None] * stride_s_k + cols_v[None, :])
-    if STREAM:
-        state = tl.load(state_tile, eviction_policy="evict_first")
+    if STREAM:  # issued first: in flight while q and k load and normalise
+        first = tl.load(state_tile, eviction_policy="evict_first")
     else:
-        state = tl.load(state_tile)
+        first = tl.load(state_tile)
     qkv_row = qkv_ptr + req.to(tl.int64) * stride_qkv
     q = tl.load(qkv_row + k_head * HEAD_K + rows_k).to(tl.float32)
     k = tl.load(qkv_row + KEY_DIM + k_head * HEAD_K + rows_k).to(tl.float32)
@@ -46,9 +65,8 @@ def _state_first_kernel(qkv_ptr, stride_qkv, g_ptr, stride_g, beta_ptr, stride_b
     beta = tl.load(beta_ptr + req.to(tl.int64) * stride_beta + v_head).to(tl.float32)
     q = q * (tl.math.rsqrt(tl.sum(q * q, axis=0) + eps) * scale)
     k = k * tl.math.rsqrt(tl.sum(k * k, axis=0) + eps)
-    state = state.to(tl.float32) * decay
-    predicted_v = tl.sum(state * k[:, None], axis=0)
-    correction = beta * (v - predicted_v)
+    state = first.to(tl.float32) * decay
+    correction = beta * (v - tl.sum(state * k[:, None], axis=0))
     state = state + k[:, None] * correction[None, :]
     out = tl.sum(state * q[:, None], axis=0)
     if STREAM:
@@ -81,23 +99,9 @@ def _looped_kernel(qkv_ptr, stride_qkv, g_ptr, stride_g, beta_ptr, stride_beta, 
     k = k * tl.math.rsqrt(tl.sum(k * k, axis=0) + eps)
     for v_start in tl.range(0, HEAD_V, BLOCK_V, num_stages=NUM_STAGES):
         cols_v = v_start + tl.arange(0, BLOCK_V)
-        state_tile = head_state + cols_v[None, :]
-        if STREAM:
-            state = tl.load(state_tile, eviction_policy="evict_first")
-        else:
-            state = tl.load(state_tile)
         v = tl.load(qkv_row + 2 * KEY_DIM + v_head * HEAD_V + cols_v).to(tl.float32)
-        state = state.to(tl.float32) * decay
-        predicted_v = tl.sum(state * k[:, None], axis=0)
-        correction = beta * (v - predicted_v)
-        state = state + k[:, None] * correction[None, :]
-        out = tl.sum(state * q[:, None], axis=0)
-        if STREAM:
-            tl.store(state_tile, state.to(state_ptr.dtype.element_ty), cache_modifier=".cs")
-        else:
-            tl.store(state_tile, state.to(state_ptr.dtype.element_ty))
-        tl.store(out_ptr + req.to(tl.int64) * stride_o_req + v_head * stride_o_head + cols_v,
-                 out.to(out_ptr.dtype.element_ty))
+        _update_tile(head_state + cols_v[None, :], q, k, v, decay, beta,
+                     out_ptr + req.to(tl.int64) * stride_o_req + v_head * stride_o_head + cols_v, STREAM)
 
 
 def launch(variant, mixed, g, beta, state, slots, out, block_v, num_warps, stream, num_stages=1):
@@ -113,32 +117,6 @@ def launch(variant, mixed, g, beta, state, slots, out, block_v, num_warps, strea
     else:
         gdn_decode_step(mixed, g, beta, state, slots, out, num_k_heads=H, head_k_dim=DK, block_v=block_v,
                         num_warps=num_warps, stream_state=stream)
-
-
-def time_ms(fn, iters: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
-def graph_us(fn, repeats: int = 20) -> float:
-    fn()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            fn()
-    return time_ms(graph.replay, iters=20) * 1e3 / repeats
 
 
 def main() -> None:
