@@ -4,10 +4,12 @@ slot-indexed decode kernels (conv, and the recurrent step with a sweep of its ti
 hints; bandwidth counts the recurrent state read and written) timed in CUDA graphs, and fla's
 chunk prefill (eager).
 
-    python3 scripts/bench_gdn.py
+    python3 scripts/bench_gdn.py [--only prefill-conv|decode|chunk]
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 
@@ -149,13 +151,19 @@ def prefill_conv(num_tokens: int, num_seqs: int) -> None:
 
 
 def main() -> None:
-    for num_tokens, num_seqs in ((16384, 16), (8192, 256)):
-        prefill_conv(num_tokens, num_seqs)
-    for state_dtype in (torch.float32, torch.bfloat16):
-        for batch in (8, 64, 256):
-            decode(batch, state_dtype)
-    for num_tokens, num_seqs in ((8192, 16), (8192, 256)):
-        chunk(num_tokens, num_seqs)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=("prefill-conv", "decode", "chunk"), help="run one of the three parts")
+    args = parser.parse_args()
+    if args.only in (None, "prefill-conv"):
+        for num_tokens, num_seqs in ((16384, 16), (8192, 256)):
+            prefill_conv(num_tokens, num_seqs)
+    if args.only in (None, "decode"):
+        for state_dtype in (torch.float32, torch.bfloat16):
+            for batch in (8, 64, 256):
+                decode(batch, state_dtype)
+    if args.only in (None, "chunk"):
+        for num_tokens, num_seqs in ((8192, 16), (8192, 256)):
+            chunk(num_tokens, num_seqs)
 
 
 if __name__ == "__main__":

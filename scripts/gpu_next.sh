@@ -4,6 +4,8 @@
 #   bash scripts/gpu_next.sh bench   Weir's nano-bench on qwen3-next-24l, then Qwen3-8B batch-1 latency
 #   bash scripts/gpu_next.sh profile per-step time split and kernel tables on qwen3-next-24l, fp32 and
 #                                    bfloat16 recurrent states (--linear-state-dtype)
+#   bash scripts/gpu_next.sh conv    the prefill conv against fla's path (scripts/bench_gdn.py), then the
+#                                    DeltaNet kernel and backend GPU tests
 set -u
 source benchmarks/device_setup.sh || exit 1
 export PYTHONUNBUFFERED=1
@@ -30,4 +32,8 @@ case "${1:-tests}" in
       --random-range 100:1024,100:1024 --temperature 0.6 --max-model-len 4096 --seed 0 --linear-state-dtype bfloat16 \
       --output-json "$OUT/weir-next-256-bf16-state.json" > "$OUT/weir-next-256-bf16-state.log" 2>&1
     grep -E "Throughput|start-up" "$OUT/weir-next-256-bf16-state.log" ;;
+  conv)
+    timeout 150 python3 scripts/bench_gdn.py --only prefill-conv 2>&1 | grep -v Warn
+    timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gdn_triton_kernels.py tests/test_backend_checks.py \
+      > "$OUT/gpu-tests.log" 2>&1; tail -5 "$OUT/gpu-tests.log" ;;
 esac

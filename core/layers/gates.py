@@ -1,6 +1,6 @@
-"""The Gated DeltaNet gates (``reference/models.md`` §3.3): per token and value head, the
-log-decay ``g = -exp(A_log) * softplus(a + dt_bias)`` (fp32, <= 0) and the write strength
-``beta = sigmoid(b)``. On CUDA one Triton kernel computes both (``weir.kernels.triton_gated``).
+"""The Gated DeltaNet gates, as transformers' Qwen3-Next computes them: per token and value
+head, the log-decay ``g = -exp(A_log) * softplus(a + dt_bias)`` (fp32, <= 0) and the write
+strength ``beta = sigmoid(b)``. On CUDA one Triton kernel computes both (``weir.kernels.triton_gated``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Gated DeltaNet maths in plain torch: the short causal conv and the gated delta rule.
 
-These pure functions are the oracle that faster backends are tested against
-(``reference/models.md`` §3.3). Everything is computed in fp32; outputs are cast back to the
-input dtype and recurrent states stay fp32. Recurrent states are laid out ``[heads, Dk, Dv]``
+These pure functions are the oracle that faster backends are tested against (they are tested
+against transformers' Qwen3-Next layer). Everything is computed in fp32; outputs are cast back to
+the input dtype and recurrent states stay fp32. Recurrent states are laid out ``[heads, Dk, Dv]``
 (``o = q^T S``), as in transformers and fla.
 """
 

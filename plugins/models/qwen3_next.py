@@ -1,8 +1,9 @@
 """Qwen3-Next (``Qwen3NextForCausalLM``): Gated DeltaNet layers and gated full attention, with
 a softmax-routed MoE (plus a sigmoid-gated shared expert) after every mixer.
 
-Maths, weight names and pitfalls: ``reference/models.md`` §3. Every plain norm is the
-zero-centred ``(1 + w)`` flavour; only the DeltaNet output norm is a gated plain-weight norm.
+transformers' ``modeling_qwen3_next`` is the reference (tests/test_qwen3_next.py). Every plain
+norm is the zero-centred ``(1 + w)`` flavour; only the DeltaNet output norm is a gated
+plain-weight norm.
 Fused checkpoint layouts are rearranged once after loading, so the forward needs no per-step
 reshuffles: the gated-attention q projection (per head ``[q | gate]``) becomes ``[q... | gate...]``
 and the DeltaNet input projections (grouped by key head) become ``[q | k | v | z | b | a]``.
