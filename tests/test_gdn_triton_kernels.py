@@ -208,8 +208,9 @@ def check_conv_prefill(device, dtype=torch.float32, layers=(SMALL, ODD)):
         before = conv_state.clone()
         cu_seqlens_cpu = np.array([0, *np.cumsum(query_lens)], dtype=np.int64)
         chunk_table = chunk_indices_from_query_start_loc(cu_seqlens_cpu, 64)
+        strided_slots = torch.tensor([[slot, -1] for slot in slots], device=device)[:, 0]  # a column view
         q, k, v = conv_prefill(
-            x, conv_state, weight, torch.tensor(slots, device=device), torch.tensor(cu_seqlens_cpu, device=device),
+            x, conv_state, weight, strided_slots, torch.tensor(cu_seqlens_cpu, device=device),
             torch.tensor(chunk_table, device=device), num_k_heads=layer.num_k_heads, head_k_dim=layer.head_k_dim,
             num_v_heads=layer.num_v_heads, head_v_dim=layer.head_v_dim, chunk_size=64)
         assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()

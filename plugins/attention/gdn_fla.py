@@ -165,7 +165,9 @@ class FlaGDNBackend(LinearAttentionBackend):
         varlen conv in place on their slots, then fla's chunk kernel over gathered states."""
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-        slots = metadata.state_slots  # eager steps: no padding requests, so slots are distinct
+        # Eager steps have no padding requests, so slots are distinct (warm-up's fake requests all
+        # share the padding slot, whose contents nothing reads).
+        slots = metadata.state_slots
         q, k, v = conv_prefill(
             mixed_qkv, state.conv_state, conv_weight, slots, metadata.cu_seqlens, metadata.chunk_indices,
             num_k_heads=layer.num_k_heads, head_k_dim=layer.head_k_dim, num_v_heads=layer.num_v_heads,

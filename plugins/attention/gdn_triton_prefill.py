@@ -167,8 +167,9 @@ def conv_prefill(
                          f"{num_v_heads}x{head_v_dim} v heads")
     if x.stride(1) != 1 or conv_state.stride(2) != 1 or weight.stride(1) != 1:
         raise ValueError("conv_prefill needs x channels, conv_state taps and weight taps contiguous")
-    if chunk_size < kernel_width - 1:
-        raise ValueError(f"conv_prefill: chunk_size {chunk_size} is shorter than the conv's reach ({kernel_width - 1})")
+    if chunk_size < kernel_width - 1 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"conv_prefill: chunk_size {chunk_size} must be a power of two of at least the conv's "
+                         f"reach ({kernel_width - 1})")
     num_reqs = state_slots.shape[0]
     if tuple(cu_seqlens.shape) != (num_reqs + 1,) or chunk_indices.ndim != 2 or chunk_indices.shape[1] != 2:
         raise ValueError(f"conv_prefill: {num_reqs} slots need cu_seqlens [{num_reqs + 1}] and chunk_indices "
@@ -179,7 +180,8 @@ def conv_prefill(
     num_chunks = chunk_indices.shape[0]
     if num_tokens == 0 or num_chunks == 0:
         return q, k, v
-    chunk_indices = chunk_indices.contiguous()
+    # The kernels index these flat: a strided view would send a request to another's slot.
+    state_slots, cu_seqlens, chunk_indices = state_slots.contiguous(), cu_seqlens.contiguous(), chunk_indices.contiguous()
     block_c = triton.next_power_of_2(max(head_k_dim, head_v_dim))
     _conv_prefill_kernel[(2 * num_k_heads + num_v_heads, num_chunks)](
         x, x.stride(0), conv_state, conv_state.stride(0), conv_state.stride(1), weight, weight.stride(0),
