@@ -1,15 +1,16 @@
-"""Gated DeltaNet on CUDA: fla-core's chunked kernels for prefill, Weir's own kernels for decode.
+"""Gated DeltaNet on CUDA: fla-core's chunk kernel for prefill, Weir's own kernels for decode and
+for the prefill conv.
 
 - A decode-only step (``max_query_len == 1``, also inside CUDA graphs) runs the two slot-indexed
   Triton kernels of ``gdn_triton_kernels``: conv update, then one delta-rule step, both in place
   on the state pools, with no host reads and no value-dependent allocations.
 - Any other step (prefill, chunked prefill, mixed) runs its leading one-token requests (the
   running decodes: the scheduler puts them first) through those same decode kernels, and
-  flattens the rest into one varlen sequence: Weir's varlen conv (``gdn_triton_prefill``, in place
-  on the conv slots, q and k normalised in separate buffers), then fla's
+  flattens the rest into one varlen sequence: Weir's varlen conv (``gdn_triton_prefill``, in
+  place on the conv slots, q and k normalised in separate buffers), then fla's
   ``chunk_gated_delta_rule`` on recurrent states gathered from their slots, whose final states
-  are scattered back. Keeping decodes out of the chunk path spares them the gather, fla's copy and the scatter
-  of their whole state (about 4 MiB per request and layer at Qwen3-Next shapes).
+  are scattered back. Keeping decodes out of the chunk path spares them the gather, fla's copy
+  and the scatter of their whole state (about 4 MiB per request and layer at Qwen3-Next shapes).
 
 fla-core (0.6.0) is imported lazily: importing this module neither imports fla nor touches CUDA.
 """

@@ -181,7 +181,8 @@ def conv_prefill(
     if num_tokens == 0 or num_chunks == 0:
         return q, k, v
     # The kernels index these flat: a strided view would send a request to another's slot.
-    state_slots, cu_seqlens, chunk_indices = state_slots.contiguous(), cu_seqlens.contiguous(), chunk_indices.contiguous()
+    state_slots, cu_seqlens = state_slots.contiguous(), cu_seqlens.contiguous()
+    chunk_indices = chunk_indices.contiguous()
     block_c = triton.next_power_of_2(max(head_k_dim, head_v_dim))
     _conv_prefill_kernel[(2 * num_k_heads + num_v_heads, num_chunks)](
         x, x.stride(0), conv_state, conv_state.stride(0), conv_state.stride(1), weight, weight.stride(0),
