@@ -18,16 +18,37 @@ if TYPE_CHECKING:
     from weir.moe import MoEBackend
 
 
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
 @dataclass(frozen=True)
 class AttentionLayerSpec:
-    """What a full-attention layer needs from the backend and from the KV cache."""
+    """What a softmax-attention layer needs from the backend and from the paged KV cache.
+
+    ``sliding_window`` W (None: full attention) follows transformers: the query at position p
+    sees the keys at positions ``p - W + 1 .. p``. Blocks wholly before a request's window may
+    already be freed and handed to another request, so a backend must not read them.
+    ``has_sinks``: the layer passes ``sinks [num_heads]`` (fp32) to ``forward``, one extra logit
+    per head in the softmax denominator whose value row is zero (GPT-OSS, Granite SWA).
+    """
 
     layer_idx: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
     scale: float
-    kind: str = "full_attention"
+    sliding_window: int | None = None
+    has_sinks: bool = False
+
+    def __post_init__(self):
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"layer {self.layer_idx}: sliding_window must be >= 1, got {self.sliding_window}")
+
+    @property
+    def kind(self) -> str:
+        """The layer kind a backend must serve (``AttentionBackend.supported_layer_kinds``)."""
+        return SLIDING_ATTENTION if self.sliding_window is not None else FULL_ATTENTION
 
 
 @dataclass
@@ -61,7 +82,9 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
     supported_devices: ClassVar[frozenset[str]]
-    supported_layer_kinds: ClassVar[frozenset[str]] = frozenset({"full_attention"})
+    supported_layer_kinds: ClassVar[frozenset[str]] = frozenset({FULL_ATTENTION})
+    # Whether ``forward`` takes ``sinks`` (layers with ``has_sinks``).
+    supports_sinks: ClassVar[bool] = False
     # Decode launches read per-request lengths from device tensors only, and their grids depend
     # on host sizes that stay fixed for a padded batch size: safe to capture in a CUDA graph.
     supports_cuda_graphs: ClassVar[bool] = False
@@ -112,8 +135,11 @@ class AttentionBackend(ABC):
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # kv_cache_shape(...)
         metadata: AttentionMetadata,
+        sinks: torch.Tensor | None = None,  # [num_heads] fp32, only for layers with has_sinks
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Store this step's K/V into the cache at ``slot_mapping``, then attend causally."""
+        """Store this step's K/V into the cache at ``slot_mapping``, then attend causally (within
+        ``layer.sliding_window`` when set). ``sinks`` is passed only when the layer has them, so a
+        backend without ``supports_sinks`` may leave the argument out."""
 
 
 @dataclass
