@@ -33,10 +33,10 @@ class RequestRecord:
 def read_engine_stats(engine) -> dict:
     """Runs on the engine thread (``AsyncLLMEngine.call``), so it sees a consistent state."""
     scheduler = engine.scheduler
-    pool = scheduler.kv_cache.pool
+    kv_cache = scheduler.kv_cache
     return {"num_running": scheduler.num_running, "num_waiting": scheduler.num_waiting,
-            "kv_cache_usage": pool.usage(), "prefix_cache_queries": pool.num_queries,
-            "prefix_cache_hits": pool.num_hits, "num_preemptions": scheduler.num_preemptions}
+            "kv_cache_usage": kv_cache.usage(), "prefix_cache_queries": kv_cache.num_prefix_queries,
+            "prefix_cache_hits": kv_cache.num_prefix_hits, "num_preemptions": scheduler.num_preemptions}
 
 
 class ServerMetrics:

@@ -25,6 +25,20 @@ class KVCacheManager:
     def capacity_tokens(self) -> int:
         return self.pool.num_usable_blocks * self.block_size
 
+    def usage(self) -> float:
+        """Fraction of the KV cache's blocks held by running requests (0 to 1)."""
+        return self.pool.usage()
+
+    @property
+    def num_prefix_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache, once per admission."""
+        return self.pool.num_queries
+
+    @property
+    def num_prefix_hits(self) -> int:
+        """Of those, tokens the prefix cache served."""
+        return self.pool.num_hits
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
