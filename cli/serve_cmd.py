@@ -41,10 +41,11 @@ def _log_start(engine, sock: socket.socket, host: str) -> str:
     logger.info("model %s (%s, %s) served as %r, max_model_len %d", config.model.model,
                 config.model.architecture, str(config.model.dtype).removeprefix("torch."),
                 config.model.served_model_name, config.scheduler.max_model_len)
-    logger.info("platform %s, attention backend %s, KV cache %d tokens (%d blocks of %d), max_num_seqs %d",
-                inner.platform.name, inner.runner.attn_backend.name, inner.scheduler.kv_cache.capacity_tokens,
-                inner.scheduler.kv_cache.pool.num_usable_blocks, config.cache.block_size,
-                config.scheduler.max_num_seqs)
+    logger.info("platform %s, backends %s, KV cache %d tokens (%s usable blocks of %d), max_num_seqs %d",
+                inner.platform.name, inner.runner.caches.describe_backends(),
+                inner.scheduler.kv_cache.capacity_tokens,
+                " + ".join(str(pool.num_usable_blocks) for pool in inner.scheduler.kv_cache.pools),
+                config.cache.block_size, config.scheduler.max_num_seqs)
     logger.info("Weir is serving the OpenAI API at %s/v1 (metrics at %s/metrics)", url, url)
     return url
 

@@ -8,14 +8,13 @@ they call ``Attention`` (``weir.layers.attention``), which calls the backend.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+import math
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-if TYPE_CHECKING:
-    from weir.linear_attention import LayerState, LinearAttentionBackend, LinearAttentionMetadata
-    from weir.moe import MoEBackend
+from weir.layer_cache import LayerBackend, PagedCacheSpec
 
 
 FULL_ATTENTION = "full_attention"
@@ -23,7 +22,7 @@ SLIDING_ATTENTION = "sliding_attention"
 
 
 @dataclass(frozen=True)
-class AttentionLayerSpec:
+class AttentionLayerSpec(PagedCacheSpec):
     """What a softmax-attention layer needs from the backend and from the paged KV cache.
 
     ``sliding_window`` W (None: full attention) follows transformers: the query at position p
@@ -71,42 +70,36 @@ class AttentionMetadata:
     max_seq_len: int
 
 
-class AttentionBackend(ABC):
-    """A way to compute attention over the paged KV cache.
+class AttentionBackend(LayerBackend, ABC):
+    """A way to compute attention over the paged KV cache: the base of every paged layer backend.
 
-    Subclasses declare the devices and layer kinds they support. Each layer kind of a model gets
-    its own backend (``weir.selection``): the one the user names, else the first of the
-    platform's preferred backends that serves it. Registered through the
-    ``weir_attention_backends`` hook; constructed as ``cls(block_size, dtype, device)``.
+    Subclasses declare the devices and layer kinds they support (``LayerBackend``). Registered
+    through the ``weir_attention_backends`` hook; constructed as ``cls(block_size, dtype, device)``.
+    The runner allocates each layer's cache through ``allocate_kv_cache`` and hands it back to
+    ``forward``; a backend for another paged kind (an MLA latent, say) overrides the cache shape
+    and gives ``forward`` the arguments its layers pass.
     """
 
-    name: ClassVar[str]
-    supported_devices: ClassVar[frozenset[str]]
     supported_layer_kinds: ClassVar[frozenset[str]] = frozenset({FULL_ATTENTION})
     # Whether ``forward`` takes ``sinks`` (layers with ``has_sinks``).
     supports_sinks: ClassVar[bool] = False
-    # Decode launches read per-request lengths from device tensors only, and their grids depend
-    # on host sizes that stay fixed for a padded batch size: safe to capture in a CUDA graph.
-    supports_cuda_graphs: ClassVar[bool] = False
 
     def __init__(self, block_size: int, dtype: torch.dtype, device: torch.device):
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
 
-    @classmethod
-    def supports(cls, device_type: str, layer_kinds: set[str]) -> bool:
-        """Whether the backend runs on this device type and serves every one of these layer kinds."""
-        return device_type in cls.supported_devices and layer_kinds <= cls.supported_layer_kinds
-
-    @classmethod
-    def unavailable_reason(cls) -> str | None:
-        """Why the backend cannot run in this environment (a missing package), or None."""
-        return None
-
     def kv_cache_shape(self, num_blocks: int, layer: AttentionLayerSpec) -> tuple[int, ...]:
         """Shape of one layer's cache tensor: K and V stacked on the first axis."""
         return (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+
+    def kv_cache_bytes_per_block(self, layer: PagedCacheSpec) -> int:
+        return math.prod(self.kv_cache_shape(1, layer)) * self.dtype.itemsize
+
+    def allocate_kv_cache(self, num_blocks: int, layer: PagedCacheSpec) -> torch.Tensor:
+        """A zeroed cache of ``num_blocks`` blocks for ``layer`` (block 0 is the null block, which
+        absorbs padding writes and must stay finite)."""
+        return torch.zeros(self.kv_cache_shape(num_blocks, layer), dtype=self.dtype, device=self.device)
 
     def build_metadata(self, metadata: AttentionMetadata) -> AttentionMetadata:
         """Once per step: derive whatever the backend needs beyond the common metadata."""
@@ -140,21 +133,3 @@ class AttentionBackend(ABC):
         """Store this step's K/V into the cache at ``slot_mapping``, then attend causally (within
         ``layer.sliding_window`` when set). ``sinks`` is passed only when the layer has them, so a
         backend without ``supports_sinks`` may leave the argument out."""
-
-
-@dataclass
-class ForwardContext:
-    """Everything a model's layers need for one forward, passed explicitly (no globals).
-
-    Full-attention layers use ``attn_backend`` with the paged ``kv_caches``; linear-attention
-    layers (hybrid models) use ``linear_attn_backend`` with their slot-indexed ``layer_states``;
-    MoE layers hand their experts to ``moe_backend``. Lists are indexed by ``layer_idx``.
-    """
-
-    attn_backend: AttentionBackend
-    attn_metadata: AttentionMetadata
-    kv_caches: list[torch.Tensor | None]
-    linear_attn_backend: LinearAttentionBackend | None = None
-    linear_attn_metadata: LinearAttentionMetadata | None = None
-    layer_states: list[LayerState | None] = field(default_factory=list)
-    moe_backend: MoEBackend | None = None

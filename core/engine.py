@@ -84,15 +84,16 @@ class LLMEngine:
             self.runner = ModelRunner(config, platform, model_cls, choose_attention_backends, choose_moe_backend)
             self.tokenizer = tokenizer.result()
         prefix_caching = config.cache.enable_prefix_caching
-        if prefix_caching and self.runner.state_layers:
+        if prefix_caching and self.runner.caches.state_layers:
             # A recurrent state cannot be rebuilt from cached KV blocks: a prefix hit would skip
             # the tokens the state needs. Until states are checkpointed per block, no hits.
             logger.info("prefix caching is off: %s has linear-attention layers", config.model.architecture)
             prefix_caching = False
-        kv_cache = KVCacheManager(self.runner.num_blocks, config.cache.block_size, prefix_caching,
+        kv_cache = KVCacheManager(config.cache.block_size, self.runner.kv_group_configs(), prefix_caching,
                                   num_state_slots=self.runner.num_state_slots)
         self.scheduler = Scheduler(config.scheduler, kv_cache)
         self._rng = random.Random(config.seed)
+        self._busy = False  # whether the last step left work behind (see step: the idle check)
         self._in_flight: deque = deque()
         self._parents: dict[str, _Parent] = {}
         self._child_of: dict[str, tuple[_Parent, _Child]] = {}
@@ -240,7 +241,7 @@ class LLMEngine:
         self.scheduler.release_rows(self.runner.request_ids_with_rows() - running)
         # Blocks were registered in the prefix cache when scheduled; the failed step may never
         # have written their KV.
-        self.scheduler.kv_cache.pool.reset_prefix_cache()
+        self.scheduler.kv_cache.reset_prefix_cache()
         return failed
 
     def has_unfinished_requests(self) -> bool:
@@ -265,6 +266,11 @@ class LLMEngine:
                     changed[parent.request_id] = parent
         outputs = [parent.output() for parent in changed.values()
                    if parent.finished or not parent.final_only]
+        busy = self.has_unfinished_requests()
+        if self._busy and not busy:
+            # The engine just went idle: every block and slot must be back (one pass over the pools).
+            self.scheduler.kv_cache.check_invariants(idle=True)
+        self._busy = busy
         # Finished requests are forgotten only once every output is built: had building one
         # raised, reset_after_failure still finds them all, so their callers hear of it.
         for parent in changed.values():

@@ -23,11 +23,13 @@ from typing import ClassVar
 
 import torch
 
+from weir.layer_cache import LayerBackend, StateCacheSpec
+
 GATED_DELTA_NET = "gated_delta_net"
 
 
 @dataclass(frozen=True)
-class GatedDeltaNetLayerSpec:
+class GatedDeltaNetLayerSpec(StateCacheSpec):
     """Shapes of one Gated DeltaNet layer (as Qwen3-Next's ``linear_*`` config fields give them).
 
     Value head ``h`` uses q/k head ``h // (num_v_heads // num_k_heads)``.
@@ -87,7 +89,7 @@ class LayerState:
         self.recurrent_state.index_fill_(0, slots, 0)
 
 
-class LinearAttentionBackend(ABC):
+class LinearAttentionBackend(LayerBackend, ABC):
     """A way to run Gated DeltaNet layers over per-request state slots.
 
     The model computes the projections and the gates; the backend, per request and token:
@@ -106,26 +108,13 @@ class LinearAttentionBackend(ABC):
     constructed as ``cls(dtype, device, state_dtype)``.
     """
 
-    name: ClassVar[str]
-    supported_devices: ClassVar[frozenset[str]]
     supported_layer_kinds: ClassVar[frozenset[str]] = frozenset({GATED_DELTA_NET})
-    # Decode (max_query_len == 1) needs no host values and launches a fixed grid per batch size.
-    supports_cuda_graphs: ClassVar[bool] = False
 
     def __init__(self, dtype: torch.dtype, device: torch.device, state_dtype: torch.dtype = torch.float32):
         """``dtype``: the model's (inputs, outputs, conv state); ``state_dtype``: the recurrent state's."""
         self.dtype = dtype
         self.device = device
         self.state_dtype = state_dtype
-
-    @classmethod
-    def supports(cls, device_type: str, layer_kinds: set[str]) -> bool:
-        return device_type in cls.supported_devices and layer_kinds <= cls.supported_layer_kinds
-
-    @classmethod
-    def unavailable_reason(cls) -> str | None:
-        """Why the backend cannot run in this environment (a missing package), or None."""
-        return None
 
     def allocate_state(self, num_slots: int, layer: GatedDeltaNetLayerSpec) -> LayerState:
         """Zeroed state for ``num_slots`` requests plus the padding slot."""

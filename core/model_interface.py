@@ -10,8 +10,8 @@ A model plugin registers ``ModelSpec(architecture, "pkg.module:XForCausalLM")``;
         def __init__(self, config: weir.config.ModelConfig): ...
         def forward(self, input_ids, positions, ctx) -> Tensor: ...
         def compute_logits(self, hidden_states) -> Tensor: ...
-        def attention_layers(self) -> list[AttentionLayerSpec]: ...
-        def state_layers(self) -> list[GatedDeltaNetLayerSpec]: ...  # optional (hybrid models)
+        def attention_layers(self) -> list[PagedCacheSpec]: ...  # AttentionLayerSpec, or another paged kind
+        def state_layers(self) -> list[StateCacheSpec]: ...  # optional (hybrid models)
 
 - ``__init__`` reads ``config.hf_config`` (the transformers ``PretrainedConfig``) and
   ``config.max_model_len``; it runs under ``torch.device("meta")`` and must not initialise
@@ -33,20 +33,22 @@ A model plugin registers ``ModelSpec(architecture, "pkg.module:XForCausalLM")``;
   ``rotary_emb\\.inv_freq``. A checkpoint copy of a tied weight (``lm_head.weight`` when tied) is
   skipped without being listed.
 - ``forward(input_ids [T] int64, positions [T] int64, ctx: ForwardContext) -> [T, hidden]``:
-  the tokens of all requests of the step, flattened; ``ctx`` carries the attention backend, its
-  metadata and the KV caches (indexed by ``layer_idx``).
+  the tokens of all requests of the step, flattened; ``ctx.layers[layer_idx]`` is the
+  ``LayerContext`` (backend, cache, metadata) of every layer that declared a cache spec
+  (``weir.layer_cache``).
 - ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` in the model dtype, for the N rows the
   sampler needs (usually each request's last token).
-- ``attention_layers()``: one ``AttentionLayerSpec`` per layer that needs KV cache, each with the
-  ``layer_idx`` its ``weir.layers.Attention`` module reads ``ctx.kv_caches`` at; the runner sizes
-  and allocates the cache from them (and refuses a model whose attention modules they miss).
+- ``attention_layers()``: one paged spec per layer with a per-token cache (``AttentionLayerSpec``
+  for softmax attention, full or windowed), each with the ``layer_idx`` its ``weir.layers.Attention``
+  module reads ``ctx.layers`` at; the runner groups them by window, sizes and allocates each
+  group's cache (and refuses a model whose attention modules they miss).
   A model without sliding windows or other layer kinds calls
   ``weir.layers.attention.require_full_attention(hf_config, max_model_len)`` in ``__init__``: it
   refuses configs whose ``layer_types`` or ``sliding_window`` a full-attention model would
   silently ignore.
 - ``state_layers()`` (hybrid models): one spec per linear-attention layer; each gets per-request
-  state slots (``weir.linear_attention``), and the context carries ``linear_attn_backend``,
-  ``linear_attn_metadata`` and ``layer_states``. MoE layers call ``ctx.moe_backend``
+  state slots (``weir.linear_attention``): its ``LayerContext.cache`` is its ``LayerState``. MoE
+  layers call ``ctx.moe_backend``
   (``weir.layers.moe.FusedExperts`` does, shared experts included when it holds them).
 - Modules owning non-persistent buffers (cos/sin caches) define
   ``materialize_buffers(device)``; modules that rearrange checkpoint layouts once (fused
@@ -62,8 +64,9 @@ from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from weir.attention import AttentionLayerSpec, ForwardContext
+    from weir.attention import AttentionLayerSpec
     from weir.config import ModelConfig
+    from weir.layer_cache import ForwardContext
 
 
 @runtime_checkable

@@ -42,8 +42,7 @@ class Request:
     # Tokens sampled on the device that the host has not seen yet (async scheduling).
     num_output_placeholders: int = 0
     num_preemptions: int = 0
-    block_ids: list[int] = field(default_factory=list)
-    num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
+    # Chained hashes of the full blocks of known tokens (the KV manager holds the blocks themselves).
     block_hashes: list[bytes] = field(default_factory=list)
     state_slot: int | None = None  # linear-attention state slot while running (hybrid models)
 

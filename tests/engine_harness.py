@@ -41,9 +41,7 @@ def watch_engine(llm: LLM) -> Watch:
 
     def step():
         outputs = original_step()
-        engine.scheduler.kv_cache.pool.check_invariants()
-        if engine.scheduler.kv_cache.state_slots is not None:
-            engine.scheduler.kv_cache.state_slots.check_invariants()
+        engine.scheduler.kv_cache.check_invariants()
         watch.num_steps += 1
         return outputs
 
@@ -57,11 +55,7 @@ def assert_nothing_held(llm: LLM) -> None:
     """Once every request is finished or aborted, no block and no table row is held."""
     engine = llm.engine
     assert not engine.has_unfinished_requests()
-    engine.scheduler.kv_cache.pool.check_invariants(expected_in_use=0)
-    state_slots = engine.scheduler.kv_cache.state_slots
-    if state_slots is not None:
-        state_slots.check_invariants()
-        assert state_slots.num_free == state_slots.num_slots
+    engine.scheduler.kv_cache.check_invariants(idle=True)
     assert engine.runner.table.row_of == {}
     assert not engine.scheduler.running and not engine.scheduler.waiting
 

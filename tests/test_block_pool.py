@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from weir.kv_cache import BlockPool, KVCacheManager
+from weir.kv_cache import BlockPool, GroupConfig, KVCacheManager
 from weir.kv_cache.block_pool import NULL_BLOCK_ID, hash_block
 from weir.request import Request
 from weir.sampling_params import SamplingParams
@@ -35,29 +35,32 @@ def test_hashes_are_deterministic_and_chained():
 
 
 def test_prefix_hit_shares_blocks_and_leaves_one_token_to_compute():
-    manager = KVCacheManager(num_blocks=20, block_size=4, enable_prefix_caching=True)
+    manager = KVCacheManager(4, [GroupConfig(20)], enable_prefix_caching=True)
     first = make_request("a", list(range(12)))
     assert manager.allocate_slots(first, 12) is not None
     second = make_request("b", list(range(12)))  # same prompt: 3 full blocks, but 1 token to compute
-    hits, num_hit_tokens = manager.get_computed_blocks(second)
-    assert num_hit_tokens == 8 and hits == first.block_ids[:2]
-    manager.allocate_slots(second, 4, hits)
-    assert second.block_ids[:2] == first.block_ids[:2]
-    assert manager.pool.ref_counts[hits[0]] == 2
+    (hits,), num_hit_tokens = manager.get_computed_blocks(second)
+    assert num_hit_tokens == 8 and hits == manager.block_ids(first)[0][:2]
+    manager.allocate_slots(second, 4, (hits,))
+    assert manager.block_ids(second)[0][:2] == manager.block_ids(first)[0][:2]
+    assert manager.pools[0].ref_counts[hits[0]] == 2
+    manager.check_invariants()
     manager.free(first)
     manager.free(second)
-    manager.pool.check_invariants(expected_in_use=0)
+    manager.check_invariants(idle=True)
     third = make_request("c", list(range(12)) + [99])
     assert manager.get_computed_blocks(third)[1] == 12  # cached free blocks still hit
 
 
 def test_failed_allocation_changes_nothing():
-    manager = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=True)
+    manager = KVCacheManager(4, [GroupConfig(4)], enable_prefix_caching=True)
+    pool = manager.pools[0]
     request = make_request("a", list(range(8)))
     assert manager.allocate_slots(request, 8) is not None
-    before = (list(request.block_ids), list(manager.pool.free_queue), list(manager.pool.ref_counts))
+    before = (manager.block_ids(request), list(pool.free_queue), list(pool.ref_counts))
     other = make_request("b", list(range(50, 58)))
     assert manager.allocate_slots(other, 8) is None
-    assert other.block_ids == []
-    assert before == (list(request.block_ids), list(manager.pool.free_queue), list(manager.pool.ref_counts))
-    manager.pool.check_invariants(expected_in_use=2)
+    assert manager.block_ids(other) == ([],)
+    assert before == (manager.block_ids(request), list(pool.free_queue), list(pool.ref_counts))
+    manager.check_invariants()
+    pool.check_invariants(expected_in_use=2)

@@ -139,7 +139,7 @@ def test_prefix_cache_statistics_count_each_admission_once(tiny_llama_path):
     admitted."""
     llm = LLM(str(tiny_llama_path), device="cpu", max_model_len=64, block_size=4,
               kv_cache_memory_bytes=18 * 4 * 2 * 2 * 16 * 4 * 2)  # 17 usable blocks of 4 tokens
-    engine, pool = llm.engine, llm.engine.scheduler.kv_cache.pool
+    engine, kv_cache = llm.engine, llm.engine.scheduler.kv_cache
     engine.add_request("big", {"prompt_token_ids": list(range(100, 156))}, GREEDY.clone(max_tokens=8))
     engine.step()
     engine.add_request("small", {"prompt_token_ids": list(range(30, 51))}, GREEDY.clone(max_tokens=1))
@@ -148,7 +148,7 @@ def test_prefix_cache_statistics_count_each_admission_once(tiny_llama_path):
     assert engine.scheduler.num_waiting == 1
     while engine.has_unfinished_requests():
         engine.step()
-    assert pool.num_queries == 56 + 21
+    assert kv_cache.num_prefix_queries == 56 + 21
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])

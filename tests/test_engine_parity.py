@@ -71,7 +71,7 @@ def test_matches_transformers(checkpoint, scenario, async_scheduling):
     if scenario == "preemption":
         assert scheduler.num_preemptions > 0
     if scenario == "prefix_cache":
-        assert scheduler.kv_cache.pool.num_hits > 0
+        assert scheduler.kv_cache.num_prefix_hits > 0
     if scenario == "chunked_prefill":
         assert watch.num_steps > NUM_TOKENS + 70 // 16  # prompts needed several chunks
 

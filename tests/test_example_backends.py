@@ -53,6 +53,6 @@ def test_the_example_backends_serve_qwen3_next(example, tmp_path):
         llm = LLM(str(checkpoint), device="cpu", max_num_batched_tokens=16, **options)  # chunked prefill
         if label == "example":
             runner = llm.llm_engine.runner
-            assert runner.moe_backend.name == "loop_moe" and runner.linear_attn_backend.name == "gdn_naive"
+            assert runner.moe_backend.name == "loop_moe" and runner.caches.backends["gated_delta_net"].name == "gdn_naive"
         tokens[label] = [output.outputs[0].token_ids for output in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens["example"] == tokens["built-in"]

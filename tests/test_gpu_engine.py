@@ -61,7 +61,7 @@ def test_qwen3_bf16_parity_with_graphs_and_eager(qwen3_path):
     for eager in (False, True):
         llm = LLM(str(qwen3_path), dtype="bfloat16", enforce_eager=eager, max_num_batched_tokens=128,
                   gpu_memory_utilization=0.3, max_model_len=512)
-        assert (llm.engine.runner.graphs is not None) == (not eager and llm.engine.runner.attn_backend.supports_cuda_graphs)
+        assert (llm.engine.runner.graphs is not None) == (not eager and llm.engine.runner.caches.supports_cuda_graphs)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         results[eager] = [o.outputs[0].token_ids for o in outputs]
         assert_nothing_held(llm)

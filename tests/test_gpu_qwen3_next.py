@@ -56,7 +56,7 @@ def test_bf16_parity_through_fla_and_triton_moe(checkpoint):
         llm = LLM(str(checkpoint), dtype="bfloat16", enforce_eager=eager, max_num_batched_tokens=128,
                   gpu_memory_utilization=0.3, max_model_len=512)
         runner = llm.engine.runner
-        assert runner.linear_attn_backend.name == "gdn_fla" and runner.moe_backend.name == "triton"
+        assert runner.caches.backends["gated_delta_net"].name == "gdn_fla" and runner.moe_backend.name == "triton"
         assert (runner.graphs is not None) == (not eager)
         watch = watch_engine(llm) if eager else None  # graph replays skip compute_logits
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -89,7 +89,7 @@ def test_16bit_recurrent_state_through_fla(checkpoint):
     for state_dtype in ("float32", "bfloat16"):
         llm = LLM(str(checkpoint), dtype="bfloat16", linear_state_dtype=state_dtype, max_num_batched_tokens=128,
                   gpu_memory_utilization=0.3, max_model_len=512)
-        states = [s for s in llm.engine.runner.layer_states if s is not None]
+        states = [s for s in llm.engine.runner.caches.layer_states if s is not None]
         assert all(s.recurrent_state.dtype == getattr(torch, state_dtype) for s in states)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         results[state_dtype] = [o.outputs[0].token_ids for o in outputs]

@@ -116,18 +116,32 @@ def test_block_tables_and_slot_mapping(kernels, shape, block_size):
     assert gathered.dtype == torch.int32 and gathered.shape == (idx_mapping.shape[0], max_blocks)
     slots = module.compute_slot_mapping_triton(gathered, query_start_loc, positions, block_size)
     assert torch.equal(slots, inputs.compute_slot_mapping_torch(gathered, query_start_loc, positions, block_size))
-    fused = module.gather_block_tables_and_slot_mapping_triton(block_table, idx_mapping, query_start_loc,
+    # Every cache group's table in one launch: a second group with other blocks.
+    block_tables = torch.stack([block_table, torch.randint(1, 10_000, block_table.shape, dtype=torch.int32,
+                                                           device=device)])  # [G, R, max_blocks]
+    fused = module.gather_block_tables_and_slot_mapping_triton(block_tables, idx_mapping, query_start_loc,
                                                                positions, block_size)
-    want = inputs.gather_block_tables_and_slot_mapping_torch(block_table, idx_mapping, query_start_loc,
+    want = inputs.gather_block_tables_and_slot_mapping_torch(block_tables, idx_mapping, query_start_loc,
                                                             positions, block_size)
     assert torch.equal(fused[0], want[0]) and torch.equal(fused[1], want[1])
+    assert torch.equal(want[0][0], gathered)
+    # Into persistent buffers wider than the batch (what the runner passes): the same values.
+    out = (torch.full((2, idx_mapping.shape[0] + 3, max_blocks), -7, dtype=torch.int32, device=device),
+           torch.full((2, positions.shape[0] + 5), -7, dtype=torch.int64, device=device))
+    views = (out[0][:, : idx_mapping.shape[0]], out[1][:, : positions.shape[0]])
+    module.gather_block_tables_and_slot_mapping_triton(block_tables, idx_mapping, query_start_loc, positions,
+                                                       block_size, out=views)
+    assert torch.equal(views[0], want[0]) and torch.equal(views[1], want[1])
+    assert out[0][:, idx_mapping.shape[0]:].eq(-7).all() and out[1][:, positions.shape[0]:].eq(-7).all()
     # Token-by-token: the slot of every owned token, -1 for padding.
     owner = inputs.token_to_request_torch(query_start_loc, num_tokens).tolist()
-    for token, req in enumerate(owner):
-        row = int(idx_mapping[req]) if req < idx_mapping.shape[0] else -1
-        pos = int(positions[token])
-        slot = -1 if row < 0 else int(block_table[row, pos // block_size]) * block_size + pos % block_size
-        assert int(want[1][token]) == slot
+    for group in range(2):
+        for token, req in enumerate(owner):
+            row = int(idx_mapping[req]) if req < idx_mapping.shape[0] else -1
+            pos = int(positions[token])
+            table = block_tables[group]
+            slot = -1 if row < 0 else int(table[row, pos // block_size]) * block_size + pos % block_size
+            assert int(want[1][group, token]) == slot
 
 
 def random_table_state(seed, num_rows, max_model_len, vocab_size, device):

@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from helpers_models import ROPE_VARIANTS, make_tiny_llama, make_tiny_qwen2, make_tiny_qwen3, tiny_model_config
 from weir import LLM, SamplingParams
-from weir.attention import AttentionMetadata, ForwardContext
+from weir.attention import AttentionMetadata
+from weir.layer_cache import ForwardContext, LayerContext
 from weir.plugins.attention.torch_ref import TorchAttentionBackend
 from weir.plugins.models.llama import LlamaForCausalLM
 from weir.plugins.models.qwen3 import Qwen3ForCausalLM
@@ -37,8 +38,6 @@ def _weir_logits(model, input_ids: torch.Tensor, positions: torch.Tensor) -> tor
     num_blocks = (num_tokens + BLOCK_SIZE - 1) // BLOCK_SIZE
     dtype = next(model.parameters()).dtype
     backend = TorchAttentionBackend(BLOCK_SIZE, dtype, CPU)
-    kv_caches = [torch.zeros(backend.kv_cache_shape(num_blocks, spec), dtype=dtype)
-                 for spec in model.attention_layers()]
     metadata = AttentionMetadata(
         query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
         seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
@@ -46,7 +45,9 @@ def _weir_logits(model, input_ids: torch.Tensor, positions: torch.Tensor) -> tor
         slot_mapping=torch.arange(num_tokens), num_reqs=1, num_tokens=num_tokens,
         max_query_len=num_tokens, max_seq_len=num_tokens)
     with torch.no_grad():
-        hidden = model(input_ids, positions, ForwardContext(backend, metadata, kv_caches))
+        layers = [LayerContext(backend, backend.allocate_kv_cache(num_blocks, spec), metadata)
+                  for spec in model.attention_layers()]
+        hidden = model(input_ids, positions, ForwardContext(layers))
         return model.compute_logits(hidden)  # [T, vocab]
 
 

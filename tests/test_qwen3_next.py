@@ -59,15 +59,15 @@ def test_matches_transformers(checkpoint, references, scenario, async_scheduling
     prompts, expected = references
     if scenario == "few_state_slots":  # room for 3 slots' state: 2 slots plus the padding slot
         monkeypatch.setattr(ModelRunner, "_state_room_bytes",
-                            lambda self: 2 * 3 * sum(self.linear_attn_backend.state_bytes_per_slot(layer)
-                                                     for layer in self.state_layers))
+                            lambda self: 2 * 3 * sum(self.caches.backend_of(layer).state_bytes_per_slot(layer)
+                                                     for layer in self.caches.state_layers))
     llm = LLM(str(path), device="cpu", dtype="float32", async_scheduling=async_scheduling, **SCENARIOS[scenario])
     watch = watch_engine(llm)
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
     engine = llm.engine
-    assert engine.runner.linear_attn_backend.name == "gdn_torch"
+    assert engine.runner.caches.backends["gated_delta_net"].name == "gdn_torch"
     if scenario == "preemption":
         assert engine.scheduler.num_preemptions > 0
     if scenario == "chunked_prefill":
@@ -119,7 +119,7 @@ def test_prefix_caching_is_off_and_says_so(checkpoint, references, caplog):
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
     # The same long prompt twice: a hit would skip tokens the recurrent state needs.
     outputs = llm.generate([{"prompt_token_ids": prompts[-1]}] * 2, params, use_tqdm=False)
-    assert llm.engine.scheduler.kv_cache.pool.num_hits == 0
+    assert llm.engine.scheduler.kv_cache.num_prefix_hits == 0
     assert [o.outputs[0].token_ids for o in outputs] == [expected[-1][0]] * 2
 
 
@@ -235,7 +235,7 @@ def test_16bit_recurrent_state(checkpoint, references):
     maths stays fp32, so the results stay close to the fp32 reference."""
     prompts, expected = references
     llm = LLM(str(checkpoint), device="cpu", dtype="float32", linear_state_dtype="bfloat16")
-    states = [state for state in llm.engine.runner.layer_states if state is not None]
+    states = [state for state in llm.engine.runner.caches.layer_states if state is not None]
     assert states and all(state.recurrent_state.dtype == torch.bfloat16 for state in states)
     assert all(state.conv_state.dtype == torch.float32 for state in states)  # the model dtype
     watch = watch_engine(llm)
@@ -283,10 +283,9 @@ def test_served_over_http_with_concurrent_streams(checkpoint, references):
 def test_a_linear_attention_backend_output_of_the_wrong_shape_is_named(checkpoint):
     """A third-party DeltaNet backend that returns ``[T, HV * Dv]`` fails at its layer, by name,
     instead of inside the gated norm with a size mismatch."""
-    from types import SimpleNamespace
-
     from transformers import AutoConfig
 
+    from weir.layer_cache import ForwardContext, LayerContext
     from weir.plugins.models.qwen3_next import GatedDeltaNet
 
     class Flattened:
@@ -298,7 +297,7 @@ def test_a_linear_attention_backend_output_of_the_wrong_shape_is_named(checkpoin
     layer = GatedDeltaNet(AutoConfig.from_pretrained(checkpoint), layer_idx=0)
     for parameter in layer.parameters():
         torch.nn.init.normal_(parameter, std=0.02)
-    ctx = SimpleNamespace(linear_attn_backend=Flattened(), layer_states={0: None}, linear_attn_metadata=None)
+    ctx = ForwardContext([LayerContext(Flattened(), None, None)])
     with pytest.raises(RuntimeError, match=r"linear-attention backend 'flattened' returned torch.float32 \(3, 64\); "
                                            r"expected torch.float32 \(3, 4, 16\)"):
         layer(torch.arange(3), torch.randn(3, layer.in_proj.weight.shape[1]), ctx)

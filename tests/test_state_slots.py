@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from weir.config import SchedulerConfig
-from weir.kv_cache import KVCacheManager
+from weir.kv_cache import GroupConfig, KVCacheManager
 from weir.kv_cache.state_slots import StateSlotPool
 from weir.request import Request, RequestStatus
 from weir.sampling_params import SamplingParams
@@ -38,7 +38,8 @@ def _request(request_id: str, num_prompt_tokens: int, max_tokens: int = 4) -> Re
 def _scheduler(num_blocks: int, num_slots: int, max_num_seqs: int = 8, budget: int = 64) -> Scheduler:
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=64,
                              async_scheduling=False)
-    return Scheduler(config, KVCacheManager(num_blocks, 4, enable_prefix_caching=False, num_state_slots=num_slots))
+    return Scheduler(config, KVCacheManager(4, [GroupConfig(num_blocks)], enable_prefix_caching=False,
+                                                   num_state_slots=num_slots))
 
 
 def test_admission_waits_for_a_free_slot_and_finish_returns_it():

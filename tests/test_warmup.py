@@ -14,8 +14,7 @@ from helpers_models import make_tiny_qwen3_next
 from weir import LLM
 from weir.runner.cuda_graphs import default_capture_sizes
 from weir.runner.warmup import (
-    COMPILE_AHEAD_ENV, attention_shapes, compile_ahead, compile_ahead_safe, compile_kernel_variants, dummy_metadata,
-    scratch_caches,
+    COMPILE_AHEAD_ENV, attention_shapes, compile_ahead, compile_ahead_safe, compile_kernel_variants,
 )
 
 
@@ -24,38 +23,43 @@ def test_tasks_cover_prefill_classes_and_every_graph_batch(tiny_llm, caplog):
     runner.use_graphs = True  # as on CUDA: the decode batches of every captured size
     runner.capture_sizes = default_capture_sizes(runner.config.scheduler.max_num_seqs)
     try:
-        shapes = attention_shapes(runner)  # the torch backend: the generic shapes, every one
-        assert {layer.layer_idx for layer, _, _ in shapes} == {0}  # one per distinct layer shape
-        prefill_lens = [query_lens[1] for _, query_lens, _ in shapes if max(query_lens) > 1]
+        shapes = attention_shapes(runner)  # the torch backend: the generic shapes, every one, once
+        assert len(shapes) == len({repr(shape) for shape in shapes})
+        prefill_lens = [query_lens[1] for query_lens, _ in shapes if max(query_lens) > 1]
         assert prefill_lens == [2, 4, 8, 16, 32, 64, 128, 256]
-        decode_batches = [len(query_lens) for _, query_lens, _ in shapes if max(query_lens) == 1]
+        decode_batches = [len(query_lens) for query_lens, _ in shapes if max(query_lens) == 1]
         assert decode_batches[-4:] == [8, 4, 2, 1] and decode_batches[0] == runner.config.scheduler.max_num_seqs
         assert all(seq_lens == [runner.config.scheduler.max_model_len] * len(seq_lens)
-                   for _, query_lens, seq_lens in shapes if max(query_lens) == 1)
+                   for query_lens, seq_lens in shapes if max(query_lens) == 1)
         with caplog.at_level(logging.INFO, logger="weir.runner.warmup"):
-            compile_kernel_variants(runner, scratch_caches(runner))
+            compile_kernel_variants(runner)
         assert "kernel variants compiled" in caplog.text
+        assert runner.table.row_of == {}  # every dummy step gave its rows back
     finally:
         runner.use_graphs, runner.capture_sizes = False, []
 
 
-def test_dummy_metadata_has_the_real_block_table_width(tiny_llm):
+def test_a_dummy_step_runs_the_real_step_on_the_null_block_and_gives_its_rows_back(tiny_llm):
     runner = tiny_llm.engine.runner
-    metadata = dummy_metadata(runner, [1, 3], [7, 3])
-    assert metadata.block_tables.shape == (2, runner.max_blocks_per_req)
-    assert metadata.query_start_loc.tolist() == [0, 1, 4] and metadata.seq_lens.tolist() == [7, 3]
-    assert metadata.slot_mapping.tolist() == [6 % runner.block_size, 0, 1, 2]
-    assert (metadata.num_tokens, metadata.max_query_len, metadata.max_seq_len) == (4, 3, 7)
+    handle = runner.dummy_run([1, 3], context_lens=[6, 0])
+    assert handle.get().req_ids == ["weir-dummy-0", "weir-dummy-1"]
+    buffers = runner.inputs  # what the step's input kernels wrote
+    assert buffers.query_start_loc[:3].tolist() == [0, 1, 4] and buffers.seq_lens[:2].tolist() == [7, 3]
+    assert buffers.positions[:4].tolist() == [6, 0, 1, 2]
+    assert buffers.block_tables.shape[-1] == runner.max_blocks_per_req
+    assert buffers.block_tables[:, :2].eq(0).all()  # every block the null block
+    assert buffers.slot_mappings[0, :4].tolist() == [6 % runner.block_size, 0, 1, 2]
+    assert runner.table.row_of == {} and tiny_llm.engine.scheduler.kv_cache.usage() == 0
 
 
 def test_hybrid_model_and_a_short_max_model_len(tmp_path, caplog):
     llm = LLM(str(make_tiny_qwen3_next(tmp_path)), device="cpu", dtype="float32", max_model_len=64,
               max_num_seqs=4)
     runner = llm.engine.runner
-    prefill_lens = [query_lens[1] for _, query_lens, _ in attention_shapes(runner)]
+    prefill_lens = [query_lens[1] for query_lens, _ in attention_shapes(runner)]
     assert prefill_lens == [2, 4, 8, 16, 32, 64]  # none longer than a request can be
     with caplog.at_level(logging.INFO, logger="weir.runner.warmup"):
-        compile_kernel_variants(runner, scratch_caches(runner))
+        compile_kernel_variants(runner)
     assert "kernel variants compiled" in caplog.text
 
 

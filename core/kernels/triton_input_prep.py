@@ -94,17 +94,21 @@ def _token_to_request_kernel(qsl_ptr, req_of_token_ptr, num_reqs, num_tokens, BL
 
 @triton.jit(do_not_specialize=DYNAMIC_SIZES)
 def _block_tables_kernel(
-    block_table_ptr, block_table_stride,  # [R, max_blocks] (or [B, max_blocks] when not HAS_IDX)
+    block_table_ptr, block_table_stride, block_table_group_stride,  # [G, R, max_blocks] ([G, B, ...] when not HAS_IDX)
     idx_mapping_ptr,  # [B]
     qsl_ptr,  # [B + 1]
     positions_ptr,  # [T]
-    out_tables_ptr, out_tables_stride,  # [B, max_blocks] (out, when GATHER)
-    slot_mapping_ptr,  # [T] int64 (out, when SLOTS)
+    out_tables_ptr, out_tables_stride, out_tables_group_stride,  # [G, B, max_blocks] (out, when GATHER)
+    slot_mapping_ptr, slot_mapping_group_stride,  # [G, T] int64 (out, when SLOTS)
     num_reqs, num_tokens, max_blocks, block_size,
     HAS_IDX: tl.constexpr, GATHER: tl.constexpr, SLOTS: tl.constexpr,
     BLOCK_COLS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     req = tl.program_id(0)
+    group = tl.program_id(1).to(tl.int64)  # one paged cache group per grid row
+    block_table_ptr += group * block_table_group_stride
+    out_tables_ptr += group * out_tables_group_stride
+    slot_mapping_ptr += group * slot_mapping_group_stride
     if HAS_IDX:
         row = _row_of(idx_mapping_ptr, req, num_reqs)
     else:  # the table is already in batch order
@@ -179,12 +183,15 @@ def token_to_request_triton(query_start_loc: torch.Tensor, num_tokens: int,
     return req_of_token
 
 
-def prepare_step_inputs_triton(token_ids, num_computed_tokens, idx_mapping, query_start_loc, num_tokens):
+def prepare_step_inputs_triton(token_ids, num_computed_tokens, idx_mapping, query_start_loc, num_tokens,
+                               out=None):
     num_reqs = idx_mapping.shape[0]
     device = token_ids.device
-    input_ids = torch.empty(num_tokens, dtype=torch.int64, device=device)  # [T]
-    positions = torch.empty(num_tokens, dtype=torch.int64, device=device)  # [T]
-    seq_lens = torch.empty(num_reqs, dtype=torch.int32, device=device)  # [B]
+    if out is None:
+        out = (torch.empty(num_tokens, dtype=torch.int64, device=device),  # input_ids [T]
+               torch.empty(num_tokens, dtype=torch.int64, device=device),  # positions [T]
+               torch.empty(num_reqs, dtype=torch.int32, device=device))  # seq_lens [B]
+    input_ids, positions, seq_lens = out
     _prepare_step_inputs_kernel[(num_reqs + 1,)](
         token_ids, token_ids.stride(0), num_computed_tokens, idx_mapping, query_start_loc,
         input_ids, positions, seq_lens, num_reqs, num_tokens, token_ids.shape[1], BLOCK=TOKEN_BLOCK)
@@ -192,20 +199,24 @@ def prepare_step_inputs_triton(token_ids, num_computed_tokens, idx_mapping, quer
 
 
 def _launch_block_tables(block_table, idx_mapping, query_start_loc, positions, block_size, num_reqs,
-                         gather: bool, slots: bool):
-    max_blocks = block_table.shape[1]
+                         gather: bool, slots: bool, out=None):
+    """``block_table`` [G, R, max_blocks] (or [G, B, max_blocks] without ``idx_mapping``)."""
+    num_groups, _, max_blocks = block_table.shape
     num_tokens = positions.shape[0] if slots else 0
-    out_tables = (torch.empty((num_reqs, max_blocks), dtype=block_table.dtype, device=block_table.device)
-                  if gather else block_table)  # [B, max_blocks]
-    slot_mapping = (torch.empty(num_tokens, dtype=torch.int64, device=block_table.device)
-                    if slots else block_table)  # [T]
+    device = block_table.device
+    if out is None:
+        out = (torch.empty((num_groups, num_reqs, max_blocks), dtype=block_table.dtype, device=device)
+               if gather else block_table,  # [G, B, max_blocks]
+               torch.empty((num_groups, num_tokens), dtype=torch.int64, device=device)
+               if slots else block_table)  # [G, T]
+    out_tables, slot_mapping = out
     # Without slots there is no tail of padding tokens to cover, so no tail program.
-    grid = (num_reqs + 1 if slots else num_reqs,)
+    grid = (num_reqs + 1 if slots else num_reqs, num_groups)
     _block_tables_kernel[grid](
-        block_table, block_table.stride(0),
+        block_table, block_table.stride(1), block_table.stride(0),
         idx_mapping if idx_mapping is not None else block_table,
         query_start_loc if slots else block_table, positions if slots else block_table,
-        out_tables, out_tables.stride(0), slot_mapping,
+        out_tables, out_tables.stride(1), out_tables.stride(0), slot_mapping, slot_mapping.stride(0),
         num_reqs, num_tokens, max_blocks, block_size,
         HAS_IDX=idx_mapping is not None, GATHER=gather, SLOTS=slots,
         BLOCK_COLS=min(max(triton.next_power_of_2(max_blocks), 16), 1024), BLOCK=TOKEN_BLOCK)
@@ -213,21 +224,21 @@ def _launch_block_tables(block_table, idx_mapping, query_start_loc, positions, b
 
 
 def gather_block_tables_triton(block_table, idx_mapping):
-    out_tables, _ = _launch_block_tables(block_table, idx_mapping, None, None, 1, idx_mapping.shape[0],
-                                         gather=True, slots=False)
-    return out_tables
+    out_tables, _ = _launch_block_tables(block_table.unsqueeze(0), idx_mapping, None, None, 1,
+                                         idx_mapping.shape[0], gather=True, slots=False)
+    return out_tables[0]
 
 
 def compute_slot_mapping_triton(block_tables, query_start_loc, positions, block_size):
-    _, slot_mapping = _launch_block_tables(block_tables, None, query_start_loc, positions, block_size,
+    _, slot_mapping = _launch_block_tables(block_tables.unsqueeze(0), None, query_start_loc, positions, block_size,
                                            block_tables.shape[0], gather=False, slots=True)
-    return slot_mapping
+    return slot_mapping[0]
 
 
-def gather_block_tables_and_slot_mapping_triton(block_table, idx_mapping, query_start_loc, positions,
-                                                block_size):
-    return _launch_block_tables(block_table, idx_mapping, query_start_loc, positions, block_size,
-                                idx_mapping.shape[0], gather=True, slots=True)
+def gather_block_tables_and_slot_mapping_triton(block_tables, idx_mapping, query_start_loc, positions,
+                                                block_size, out=None):
+    return _launch_block_tables(block_tables, idx_mapping, query_start_loc, positions, block_size,
+                                idx_mapping.shape[0], gather=True, slots=True, out=out)
 
 
 def post_update_triton(token_ids, num_tokens, num_computed_tokens, output_token_counts, idx_mapping,

@@ -1,118 +1,236 @@
-"""Maps requests onto KV blocks (prefix-cache lookups, slot allocation, freeing) and, for
-hybrid models, onto linear-attention state slots."""
+"""Maps requests onto the blocks of every paged cache group (prefix-cache lookups, allocation,
+window freeing, freeing) and, for hybrid models, onto linear-attention state slots.
+
+Each paged cache group (``weir.layer_cache``) has its own ``BlockPool`` and gives each request its
+own list of block ids, indexed by ``position // block_size``. A windowed group frees a block as
+soon as it lies wholly before the window of the request's next query, and puts the null block in
+its place, so a request decoding far past the window holds at most ``ceil(W / block_size) + 1``
+blocks there. Every group hashes its full blocks with the same chained hashes, so a prefix hit
+of L tokens needs, in each group, the blocks that group's next query reads: all of them for a
+full group, the window's last blocks for a windowed one.
+
+Invariants (``check_invariants``): in every group, free + cached + in use == usable blocks, and
+each block's reference count is the number of requests holding it; every state slot is free or
+held by one request. Nothing is held once every request has ended.
+"""
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from weir.kv_cache.block_pool import BlockPool
+from weir.kv_cache.block_pool import NULL_BLOCK_ID, BlockPool
 from weir.kv_cache.state_slots import StateSlotPool
 
 if TYPE_CHECKING:  # the request module imports the block pool's hashing
     from weir.request import Request
 
 
+@dataclass(frozen=True)
+class GroupConfig:
+    """One paged cache group as the KV manager sees it."""
+
+    num_blocks: int  # including the null block
+    sliding_window: int | None = None  # None: every token's entry is kept
+
+
+@dataclass
+class _RequestBlocks:
+    """A request's block ids per group (null where a window freed them) and how many of its
+    leading blocks each group has registered in the prefix cache."""
+
+    block_ids: list[list[int]]
+    num_cached_blocks: list[int]
+    # Per windowed group, the first index that may still hold a live block.
+    first_live: list[int] = field(default_factory=list)
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+    def __init__(self, block_size: int, groups: list[GroupConfig], enable_prefix_caching: bool,
                  num_state_slots: int = 0):
         """``num_state_slots`` > 0: the model has linear-attention layers, and every running
         request also holds one state slot (taken at admission, given back when it stops running)."""
+        if not groups:
+            raise ValueError("a KV cache needs at least one paged cache group")
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.groups = list(groups)
+        self.pools = [BlockPool(group.num_blocks, enable_prefix_caching) for group in groups]
+        self.enable_prefix_caching = enable_prefix_caching
         self.state_slots = StateSlotPool(num_state_slots) if num_state_slots > 0 else None
+        self._requests: dict[str, _RequestBlocks] = {}
+        self.num_prefix_queries = 0  # prompt tokens looked up, once per admission
+        self.num_prefix_hits = 0  # of those, tokens the prefix cache served
+
+    # ---- what the scheduler, the metrics and the logs read -------------------------------
 
     @property
     def capacity_tokens(self) -> int:
-        return self.pool.num_usable_blocks * self.block_size
+        """Tokens every group can hold at once (a windowed group holds only its requests' windows)."""
+        return min(pool.num_usable_blocks for pool in self.pools) * self.block_size
 
     def usage(self) -> float:
-        """Fraction of the KV cache's blocks held by running requests (0 to 1)."""
-        return self.pool.usage()
-
-    @property
-    def num_prefix_queries(self) -> int:
-        """Prompt tokens looked up in the prefix cache, once per admission."""
-        return self.pool.num_queries
-
-    @property
-    def num_prefix_hits(self) -> int:
-        """Of those, tokens the prefix cache served."""
-        return self.pool.num_hits
+        """Fraction of the fullest group's blocks held by running requests (0 to 1)."""
+        return max(pool.usage() for pool in self.pools)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        """Longest run of cached full blocks at the start of the request.
+    def block_ids(self, request: Request) -> tuple[list[int], ...]:
+        """The request's block ids, one list per group (copies)."""
+        held = self._requests.get(request.request_id)
+        if held is None:
+            return tuple([] for _ in self.groups)
+        return tuple(list(ids) for ids in held.block_ids)
+
+    # ---- prefix cache ---------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[tuple[list[int], ...], int]:
+        """The longest prefix every group can resume from: per group the blocks to take over
+        (null where a window needs none), and the number of tokens they cover.
 
         At least one token is always left to compute, so the step produces logits to sample from.
         """
-        if not self.pool.enable_prefix_caching or request.num_computed_tokens > 0:
-            return [], 0
+        no_hit = tuple([] for _ in self.groups), 0
+        if not self.enable_prefix_caching or request.num_computed_tokens > 0:
+            return no_hit
         hashes = request.update_block_hashes(self.block_size)
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        hit_blocks = []
-        for block_hash in hashes[:max_hit_blocks]:
-            block_id = self.pool.lookup(block_hash)
-            if block_id is None:
-                break
-            hit_blocks.append(block_id)
-        return hit_blocks, len(hit_blocks) * self.block_size
+        num_blocks = (request.num_tokens - 1) // self.block_size
+        cached = [[pool.lookup(block_hash) for block_hash in hashes[:num_blocks]] for pool in self.pools]
+        for group, group_cached in zip(self.groups, cached):
+            if group.sliding_window is None:  # a full group hits on an unbroken prefix only
+                num_blocks = next((i for i, block_id in enumerate(group_cached) if block_id is None), num_blocks)
+        while num_blocks > 0 and not all(self._window_cached(group, group_cached, num_blocks)
+                                         for group, group_cached in zip(self.groups, cached)):
+            num_blocks -= 1
+        if num_blocks == 0:
+            return no_hit
+        hits = []
+        for group, group_cached in zip(self.groups, cached):
+            first = self._first_needed_block(group, num_blocks * self.block_size)
+            hits.append([NULL_BLOCK_ID] * first + group_cached[first:num_blocks])
+        return tuple(hits), num_blocks * self.block_size
+
+    def _first_needed_block(self, group: GroupConfig, next_position: int) -> int:
+        """First block the query at ``next_position`` reads in ``group``."""
+        if group.sliding_window is None:
+            return 0
+        return max(0, next_position - group.sliding_window + 1) // self.block_size
+
+    def _window_cached(self, group: GroupConfig, group_cached: list[int | None], num_blocks: int) -> bool:
+        first = self._first_needed_block(group, num_blocks * self.block_size)
+        return all(block_id is not None for block_id in group_cached[first:num_blocks])
 
     def count_admission(self, request: Request, num_hit_tokens: int) -> None:
         """Prefix-cache statistics, once per admission: a request waiting for blocks is looked
         up again every step, and counting each lookup inflated queries and hits."""
-        if self.pool.enable_prefix_caching:
-            self.pool.num_queries += request.num_tokens
-            self.pool.num_hits += num_hit_tokens
+        if self.enable_prefix_caching:
+            self.num_prefix_queries += request.num_tokens
+            self.num_prefix_hits += num_hit_tokens
+
+    def reset_prefix_cache(self) -> None:
+        for pool in self.pools:
+            pool.reset_prefix_cache()
+
+    # ---- allocation -----------------------------------------------------------------------
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[int] | None = None) -> list[int] | None:
+                       computed_blocks: tuple[list[int], ...] | None = None) -> tuple[list[int], ...] | None:
         """Give the request blocks for ``num_new_tokens`` more tokens (after any prefix-hit
-        ``computed_blocks``). Returns the block ids appended to its table, or None when the
-        pool cannot hold them (nothing changes then)."""
-        num_tokens_after_step = request.num_computed_tokens + num_new_tokens
+        ``computed_blocks``, as ``get_computed_blocks`` returned them). Returns per group the block
+        ids appended to its table, or None when some group cannot hold them: nothing is
+        allocated then (blocks that fell out of a window may have been freed, which is due anyway).
+        """
+        held = self._requests.get(request.request_id)
+        if held is None:
+            held = _RequestBlocks([[] for _ in self.groups], [0] * len(self.groups), [0] * len(self.groups))
         needs_state_slot = self.state_slots is not None and request.state_slot is None
         if needs_state_slot and self.state_slots.num_free == 0:
             return None
-        has_room = len(request.block_ids) * self.block_size >= num_tokens_after_step
-        if not computed_blocks and not needs_state_slot and has_room:
-            # Decode's common case: the last block has room; at most a newly full block to cache.
-            self._cache_full_blocks(request, num_tokens_after_step)
-            return []
-        computed_blocks = computed_blocks or []
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        num_blocks_needed = self.blocks_for(num_computed + num_new_tokens)
-        num_new_blocks = max(0, num_blocks_needed - len(request.block_ids) - len(computed_blocks))
-        # Touching a cached hit block takes it out of the free queue too.
-        num_hits_in_free_queue = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
-        if num_new_blocks + num_hits_in_free_queue > self.pool.num_free_blocks:
-            return None
-        self.pool.touch(computed_blocks)
-        new_blocks = computed_blocks + self.pool.allocate(num_new_blocks)
-        request.block_ids.extend(new_blocks)
+        has_hits = computed_blocks is not None and any(computed_blocks)
+        num_computed = request.num_computed_tokens
+        if has_hits:
+            num_computed += len(computed_blocks[0]) * self.block_size
+        num_tokens_after_step = num_computed + num_new_tokens
+        self._free_out_of_window(held, num_computed)
+        num_blocks_needed = self.blocks_for(num_tokens_after_step)
+        if not has_hits and not needs_state_slot and all(len(ids) >= num_blocks_needed for ids in held.block_ids):
+            # Decode's common case: every last block has room; at most a newly full block to cache.
+            self._cache_full_blocks(request, held, num_tokens_after_step)
+            return tuple([] for _ in self.groups)
+        hits = computed_blocks if has_hits else tuple([] for _ in self.groups)
+        num_new_blocks = []
+        for pool, ids, group_hits in zip(self.pools, held.block_ids, hits):
+            num_new = max(0, num_blocks_needed - len(ids) - len(group_hits))
+            # Touching a cached hit block takes it out of the free queue too.
+            num_hits_in_free_queue = sum(1 for b in group_hits if b != NULL_BLOCK_ID and pool.ref_counts[b] == 0)
+            if num_new + num_hits_in_free_queue > pool.num_free_blocks:
+                return None
+            num_new_blocks.append(num_new)
+        appended = []
+        for pool, ids, group_hits, num_new in zip(self.pools, held.block_ids, hits, num_new_blocks):
+            pool.touch([b for b in group_hits if b != NULL_BLOCK_ID])
+            new_blocks = list(group_hits) + pool.allocate(num_new)
+            ids.extend(new_blocks)
+            appended.append(new_blocks)
+        self._requests[request.request_id] = held
         if needs_state_slot:
             request.state_slot = self.state_slots.allocate()
-        self._cache_full_blocks(request, num_computed + num_new_tokens)
-        return new_blocks
+        self._cache_full_blocks(request, held, num_tokens_after_step)
+        return tuple(appended)
 
-    def _cache_full_blocks(self, request: Request, num_tokens_after_step: int) -> None:
+    def _free_out_of_window(self, held: _RequestBlocks, next_position: int) -> None:
+        """Free, in each windowed group, the blocks before the window of the query at
+        ``next_position`` (this step's first): no later query of the request reads them."""
+        for g, (group, pool) in enumerate(zip(self.groups, self.pools)):
+            if group.sliding_window is None:
+                continue
+            first_needed = self._first_needed_block(group, next_position)
+            ids = held.block_ids[g]
+            for index in range(held.first_live[g], min(first_needed, len(ids))):
+                if ids[index] != NULL_BLOCK_ID:
+                    pool.free([ids[index]])
+                    ids[index] = NULL_BLOCK_ID
+            held.first_live[g] = max(held.first_live[g], first_needed)
+
+    def _cache_full_blocks(self, request: Request, held: _RequestBlocks, num_tokens_after_step: int) -> None:
         # Only blocks whose every token is known and computed by the end of this step; KV for
         # a block cached now is written by this step's forward before any later step reads it.
-        if not self.pool.enable_prefix_caching:
+        if not self.enable_prefix_caching:
             return
         num_full = min(num_tokens_after_step, request.num_tokens) // self.block_size
-        if num_full <= request.num_cached_blocks:
+        if all(num_full <= num_cached for num_cached in held.num_cached_blocks):
             return
         hashes = request.update_block_hashes(self.block_size)
-        for index in range(request.num_cached_blocks, num_full):
-            self.pool.cache_full_block(request.block_ids[index], hashes[index])
-        request.num_cached_blocks = num_full
+        for g, (pool, ids) in enumerate(zip(self.pools, held.block_ids)):
+            for index in range(held.num_cached_blocks[g], num_full):
+                if ids[index] != NULL_BLOCK_ID:
+                    pool.cache_full_block(ids[index], hashes[index])
+            held.num_cached_blocks[g] = max(held.num_cached_blocks[g], num_full)
 
     def free(self, request: Request) -> None:
-        self.pool.free(request.block_ids)
-        request.block_ids = []
-        request.num_cached_blocks = 0
+        held = self._requests.pop(request.request_id, None)
+        if held is not None:
+            for pool, ids in zip(self.pools, held.block_ids):
+                pool.free([b for b in ids if b != NULL_BLOCK_ID])
         if request.state_slot is not None:
             self.state_slots.free(request.state_slot)
             request.state_slot = None
+
+    # ---- invariants -----------------------------------------------------------------------
+
+    def check_invariants(self, idle: bool = False) -> None:
+        """Assert the allocators' invariants (module docstring); ``idle``: no request runs, so
+        nothing may be held. Costs one pass over every block: tests call it after every step,
+        the engine whenever it goes idle."""
+        for g, pool in enumerate(self.pools):
+            holders = Counter(b for held in self._requests.values() for b in held.block_ids[g] if b != NULL_BLOCK_ID)
+            pool.check_invariants(expected_in_use=len(holders))
+            for block_id, count in holders.items():
+                assert pool.ref_counts[block_id] == count, (
+                    f"group {g}: block {block_id} has {pool.ref_counts[block_id]} references, {count} holders")
+        if self.state_slots is not None:
+            self.state_slots.check_invariants()
+        if idle:
+            assert not self._requests, f"requests still hold blocks: {sorted(self._requests)}"
+            assert self.state_slots is None or self.state_slots.num_free == self.state_slots.num_slots

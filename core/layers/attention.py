@@ -7,7 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from weir.attention import AttentionLayerSpec, ForwardContext
+from weir.attention import AttentionLayerSpec
+from weir.layer_cache import ForwardContext
 from weir.layers.linear import Linear, QKVLinear
 from weir.layers.norm import RMSNorm
 from weir.layers.rotary import RotaryEmbedding
@@ -26,9 +27,12 @@ class Attention(nn.Module):
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         ctx: ForwardContext,
+        sinks: torch.Tensor | None = None,  # [num_heads] fp32, for a spec with has_sinks
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        return ctx.attn_backend.forward(
-            self.spec, q, k, v, ctx.kv_caches[self.spec.layer_idx], ctx.attn_metadata)
+        layer = ctx.layers[self.spec.layer_idx]
+        if self.spec.has_sinks:
+            return layer.backend.forward(self.spec, q, k, v, layer.cache, layer.metadata, sinks=sinks)
+        return layer.backend.forward(self.spec, q, k, v, layer.cache, layer.metadata)
 
     def extra_repr(self) -> str:
         return repr(self.spec)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from weir.attention import ForwardContext
+from weir.layer_cache import ForwardContext
 
 # Per-expert checkpoint tensors (what ``save_pretrained`` writes) -> shards of the fused expert
 # parameters; for a model's ``stacked_param_patterns`` (regex, parameter, shard id).

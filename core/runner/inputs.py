@@ -48,12 +48,23 @@ def prepare_step_inputs(
     idx_mapping: torch.Tensor,  # [B] int64: batch position -> table row, -1 = padding
     query_start_loc: torch.Tensor,  # [B + 1] int32
     num_tokens: int,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns input_ids [T] int64, positions [T] int64, seq_lens [B] int32."""
+    """Returns input_ids [T] int64, positions [T] int64, seq_lens [B] int32 (written into ``out``
+    when given: the runner's persistent buffers, which its CUDA graphs read)."""
     if use_triton(token_ids):
         return _kernels().prepare_step_inputs_triton(
-            token_ids, num_computed_tokens, idx_mapping, query_start_loc, num_tokens)
-    return prepare_step_inputs_torch(token_ids, num_computed_tokens, idx_mapping, query_start_loc, num_tokens)
+            token_ids, num_computed_tokens, idx_mapping, query_start_loc, num_tokens, out)
+    results = prepare_step_inputs_torch(token_ids, num_computed_tokens, idx_mapping, query_start_loc, num_tokens)
+    return _into(out, results)
+
+
+def _into(out, results):
+    if out is None:
+        return results
+    for buffer, result in zip(out, results):
+        buffer.copy_(result)
+    return out
 
 
 def _token_owners(query_start_loc: torch.Tensor, num_reqs: int, num_tokens: int):
@@ -120,25 +131,28 @@ def compute_slot_mapping_torch(block_tables, query_start_loc, positions, block_s
 
 
 def gather_block_tables_and_slot_mapping(
-    block_table: torch.Tensor,  # [R, max_blocks_per_req] persistent table
+    block_tables: torch.Tensor,  # [G, R, max_blocks_per_req]: every paged cache group's persistent table
     idx_mapping: torch.Tensor,  # [B]
     query_start_loc: torch.Tensor,  # [B + 1]
     positions: torch.Tensor,  # [T]
     block_size: int,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both attention tables in one launch: block_tables [B, max_blocks], slot_mapping [T] int64."""
-    if use_triton(block_table):
+    """Every group's tables in one launch: block_tables [G, B, max_blocks] and slot_mapping
+    [G, T] int64 (written into ``out`` when given)."""
+    if use_triton(block_tables):
         return _kernels().gather_block_tables_and_slot_mapping_triton(
-            block_table, idx_mapping, query_start_loc, positions, block_size)
-    return gather_block_tables_and_slot_mapping_torch(block_table, idx_mapping, query_start_loc, positions,
-                                                      block_size)
+            block_tables, idx_mapping, query_start_loc, positions, block_size, out)
+    results = gather_block_tables_and_slot_mapping_torch(block_tables, idx_mapping, query_start_loc, positions,
+                                                         block_size)
+    return _into(out, results)
 
 
-def gather_block_tables_and_slot_mapping_torch(block_table, idx_mapping, query_start_loc, positions, block_size):
-    block_tables = gather_block_tables_torch(block_table, idx_mapping)
-    slot_mapping = compute_slot_mapping_torch(block_tables, query_start_loc, positions, block_size,
-                                              has_row=idx_mapping >= 0)
-    return block_tables, slot_mapping
+def gather_block_tables_and_slot_mapping_torch(block_tables, idx_mapping, query_start_loc, positions, block_size):
+    gathered = [gather_block_tables_torch(table, idx_mapping) for table in block_tables]
+    slot_mappings = [compute_slot_mapping_torch(table, query_start_loc, positions, block_size,
+                                                has_row=idx_mapping >= 0) for table in gathered]
+    return torch.stack(gathered), torch.stack(slot_mappings)
 
 
 def post_update(

@@ -9,11 +9,13 @@ left after the state.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from weir.linear_attention import GatedDeltaNetLayerSpec, LayerState, LinearAttentionBackend
+from weir.layer_cache import StateCacheSpec
+from weir.linear_attention import LayerState, LinearAttentionBackend
 from weir.runner.staged_write import host_to_device
 
 logger = logging.getLogger(__name__)
@@ -23,10 +25,11 @@ GiB = 2**30
 class LinearAttentionState:
     """``layer_states[layer_idx]`` for every linear-attention layer (None elsewhere)."""
 
-    def __init__(self, backend: LinearAttentionBackend, layers: list[GatedDeltaNetLayerSpec], num_layers: int,
-                 max_num_seqs: int, room_bytes: int,
+    def __init__(self, layers: list[StateCacheSpec], backend_of: Callable[[StateCacheSpec], LinearAttentionBackend],
+                 num_layers: int, max_num_seqs: int, room_bytes: int,
                  remedy: str = "raise gpu_memory_utilization or use a device with more memory"):
-        self.bytes_per_slot = sum(backend.state_bytes_per_slot(layer) for layer in layers)
+        """``backend_of(layer)``: the backend serving the layer's kind, which allocates its state."""
+        self.bytes_per_slot = sum(backend_of(layer).state_bytes_per_slot(layer) for layer in layers)
         self.num_slots = min(max_num_seqs, (room_bytes // 2) // self.bytes_per_slot - 1)  # - 1: the padding slot
         if self.num_slots < 1:
             raise ValueError(
@@ -39,7 +42,7 @@ class LinearAttentionState:
         self.layers = layers
         self.layer_states: list[LayerState | None] = [None] * num_layers
         for layer in layers:
-            self.layer_states[layer.layer_idx] = backend.allocate_state(self.num_slots, layer)
+            self.layer_states[layer.layer_idx] = backend_of(layer).allocate_state(self.num_slots, layer)
         logger.info("linear-attention state: %d slots x %.1f MiB = %.2f GiB", self.num_slots,
                     self.bytes_per_slot / 2**20, self.total_bytes / GiB)
 

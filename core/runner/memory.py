@@ -1,10 +1,12 @@
-"""Sizing the KV cache from a profiling run on accelerators.
+"""Profiling the memory of the largest step on accelerators, through the runner's own step.
 
-The profile runs one forward at ``max_num_batched_tokens`` (the largest step the scheduler
-can issue) plus the sampler at ``max_num_seqs`` rows, against a one-block scratch cache, and
-records the peak memory it allocated beyond the weights. Before it, ``weir.runner.warmup``
-compiles the kernel variants real steps will launch (in parallel), so that neither the profile
-nor the first requests wait on Triton's compiler.
+The profile runs ``ModelRunner.dummy_run`` at the largest step the scheduler can issue: as many
+requests as can run at once, one of them prefilling the rest of ``max_num_batched_tokens``, each
+sampling with penalties and full logprobs (the costliest sampling). It records the peak memory
+the step allocated beyond what stays allocated after it (persistent state, such as the sampler's
+penalty counts, is then already counted as used memory). Before it, ``weir.runner.warmup``
+compiles the kernel variants real steps will launch, so neither the profile nor the first
+requests wait on Triton's compiler.
 """
 
 from __future__ import annotations
@@ -15,8 +17,6 @@ import time
 
 import torch
 
-from weir.runner.warmup import dummy_forward, scratch_caches
-from weir.sample.metadata import build_sampling_metadata
 from weir.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -29,45 +29,34 @@ def split_tokens(num_tokens: int, max_len: int, max_reqs: int) -> list[int]:
     return [min(max_len, base + (1 if i < extra else 0)) for i in range(num_reqs)]
 
 
+def largest_step(num_batched_tokens: int, max_model_len: int, max_reqs: int) -> list[int]:
+    """Query lengths of the largest step: decodes for every request but the prefill chunks, which
+    take the rest of the token budget in as few requests as fit."""
+    prefill_tokens = max(1, num_batched_tokens - (max_reqs - 1))
+    prefills = split_tokens(prefill_tokens, max_model_len - 1, max_reqs)
+    num_decodes = min(max_reqs - len(prefills), num_batched_tokens - sum(prefills))
+    return [1] * max(num_decodes, 0) + prefills
+
+
 def profile_peak_bytes(runner) -> tuple[int, int]:
-    """(peak bytes of the largest step, peak bytes of the largest decode graph batch),
-    each beyond what was allocated before the profile."""
+    """(peak bytes of the largest step, peak bytes of the largest decode graph batch), each
+    beyond what is allocated once the step is over."""
     scheduler = runner.config.scheduler
-    scratch = scratch_caches(runner)
 
     def peak_of(fn) -> int:
         torch.cuda.synchronize(runner.device)
         torch.cuda.reset_peak_memory_stats(runner.device)
-        before = torch.cuda.memory_allocated(runner.device)
         fn()
         torch.cuda.synchronize(runner.device)
-        return torch.cuda.max_memory_allocated(runner.device) - before
+        return torch.cuda.max_memory_allocated(runner.device) - torch.cuda.memory_allocated(runner.device)
 
-    def largest_step():
-        query_lens = split_tokens(scheduler.max_num_batched_tokens, scheduler.max_model_len,
-                                  scheduler.max_num_seqs)
-        if runner.state_layers:
-            # Hybrid models: the largest step also carries a full batch of decodes (their
-            # linear-attention kernels and buffers) beside the prefill chunk, as mixed steps do.
-            num_decodes = min(runner.num_state_slots, scheduler.max_num_seqs, scheduler.max_num_batched_tokens) - 1
-            query_lens = [1] * num_decodes + split_tokens(
-                scheduler.max_num_batched_tokens - num_decodes, scheduler.max_model_len, scheduler.max_num_seqs)
-        dummy_forward(runner, query_lens, scratch)
-        num_rows = scheduler.max_num_seqs
-        logits = torch.randn(num_rows, runner.config.model.vocab_size, device=runner.device)
-        # The costliest sampling: penalties ([rows, vocab] counts and masks) and full logprobs.
-        params = SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1,
-                                logprobs=runner.config.max_logprobs)
-        metadata = build_sampling_metadata([params] * num_rows, seeds=list(range(num_rows)),
-                                           positions=[1] * num_rows, vocab_size=logits.shape[1],
-                                           device=runner.device, output_token_ids=[[1]] * num_rows,
-                                           prompt_token_ids=[[2]] * num_rows)
-        runner.sampler.sample(logits, metadata)
-
+    query_lens = largest_step(scheduler.max_num_batched_tokens, scheduler.max_model_len, runner.max_running_reqs)
+    costliest = SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1, logprobs=runner.config.max_logprobs)
     start = time.perf_counter()
-    step_peak = peak_of(largest_step)
-    logger.info("profiling run: %.1f s", time.perf_counter() - start)
-    decode_peak = peak_of(lambda: dummy_forward(runner, [1] * runner.max_graph_batch, scratch))
-    scratch.clear()  # free the scratch cache before the real one is sized
+    step_peak = peak_of(lambda: runner.dummy_run(query_lens, sampling_params=[costliest] * len(query_lens),
+                                                 graph_mode="off"))
+    logger.info("profiling run: %d requests, %d tokens, %.1f s", len(query_lens), sum(query_lens),
+                time.perf_counter() - start)
+    decode_peak = peak_of(lambda: runner.dummy_run([1] * runner.max_graph_batch, graph_mode="off"))
     torch.cuda.empty_cache()
     return step_peak, decode_peak

@@ -18,10 +18,13 @@ from weir.scheduler.output import NewRequestData
 
 class RequestTable:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, vocab_size: int,
-                 device: torch.device, pin_memory: bool, padding_state_slot: int | None = None):
-        """``padding_state_slot``: hybrid models' spare state slot (rows hold their request's
-        linear-attention slot, the padding row this one); None for models without such state."""
+                 device: torch.device, pin_memory: bool, num_block_groups: int = 1,
+                 padding_state_slot: int | None = None):
+        """One block table per paged cache group (``num_block_groups``); ``padding_state_slot``:
+        hybrid models' spare state slot (rows hold their request's linear-attention slot, the
+        padding row this one); None for models without such state."""
         self.max_num_reqs = max_num_reqs
+        self.num_block_groups = num_block_groups
         self.vocab_size = vocab_size
         self.device = device
         self.pin_memory = pin_memory
@@ -39,7 +42,8 @@ class RequestTable:
         self.num_tokens = staged((R,), torch.int32)  # known tokens, grown on the device by sampling
         self.num_computed_tokens = staged((R,), torch.int32)
         self.num_prompt_tokens = staged((R,), torch.int32)
-        self.block_table = staged((R, max_blocks_per_req), torch.int32)
+        # Group g's table is rows g * R .. (g + 1) * R - 1: block_tables_view() is [G, R, max_blocks].
+        self.block_tables = staged((num_block_groups * R, max_blocks_per_req), torch.int32)
         self.temperature = staged((R,), torch.float32)
         self.top_k = staged((R,), torch.int32)
         self.top_p = staged((R,), torch.float32, 1.0)
@@ -59,7 +63,7 @@ class RequestTable:
 
         # Host mirrors.
         self.num_computed_host = np.zeros(R, dtype=np.int64)
-        self.num_blocks_host = np.zeros(R, dtype=np.int64)
+        self.num_blocks_host = np.zeros((num_block_groups, R), dtype=np.int64)
         self.temperature_host = np.zeros(R, dtype=np.float32)
         self.top_k_host = np.zeros(R, dtype=np.int64)
         self.top_p_host = np.ones(R, dtype=np.float32)
@@ -78,13 +82,14 @@ class RequestTable:
         self.num_tokens.stage(row, len(new.prefill_token_ids))
         self.num_computed_tokens.stage(row, new.num_computed_tokens)
         self.num_prompt_tokens.stage(row, new.num_prompt_tokens)
-        self.block_table.stage(row, new.block_ids)
+        for group, block_ids in enumerate(new.block_ids):
+            self.block_tables.stage(group * self.num_rows + row, block_ids)
+            self.num_blocks_host[group, row] = len(block_ids)
         if self.padding_state_slot is not None:
             if new.state_slot is None:
                 raise ValueError(f"request {new.req_id!r} has no linear-attention state slot")
             self.state_slot.stage(row, new.state_slot)
         self.num_computed_host[row] = new.num_computed_tokens
-        self.num_blocks_host[row] = len(new.block_ids)
         # The sampler's contract: greedy rows (temperature 0 or top_k 1) carry temperature 0.
         temperature = 0.0 if params.is_greedy else params.temperature
         self.temperature.stage(row, temperature)
@@ -121,12 +126,23 @@ class RequestTable:
         counts = self.output_token_counts[row].zero_()
         counts.index_add_(0, output_ids, torch.ones_like(output_ids, dtype=counts.dtype))
 
-    def append_blocks(self, req_id: str, block_ids: list[int]) -> None:
-        if not block_ids:
-            return
+    def append_blocks(self, req_id: str, block_ids: tuple[list[int], ...]) -> None:
+        """Append each group's new blocks to the request's row of that group's table."""
         row = self.row_of[req_id]
-        self.block_table.stage(row, block_ids, start=int(self.num_blocks_host[row]))
-        self.num_blocks_host[row] += len(block_ids)
+        for group, group_block_ids in enumerate(block_ids):
+            if group_block_ids:
+                self.block_tables.stage(group * self.num_rows + row, group_block_ids,
+                                        start=int(self.num_blocks_host[group, row]))
+                self.num_blocks_host[group, row] += len(group_block_ids)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows per table: one per schedulable request, plus the padding row."""
+        return self.max_num_reqs + 1
+
+    def block_tables_view(self) -> torch.Tensor:
+        """Every group's persistent block table: [G, R, max_blocks_per_req] int32, device."""
+        return self.block_tables.gpu.view(self.num_block_groups, self.num_rows, -1)
 
     def remove(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)

@@ -1,11 +1,12 @@
 """Compiling the kernel variants a server will launch, before the first request, in parallel.
 
 A cold start spends most of its time in Triton's compiler, one variant at a time, as the
-profiling run and the graph capture first launch each. The warm-up tasks here launch every
-variant real steps will use: a tiny whole-model forward (every layer's kernels once), decode
-batches of 1, 2 and 16 rows (kernels that specialise on the token count, the one-row GEMV), the
-attention backend alone at each shape it names (``AttentionBackend.warmup_shapes``: prefill
-tiles, decode split counts) and the sampler at each filter kind.
+profiling run and the graph capture first launch each. The warm-up tasks here are dummy steps
+(``ModelRunner.dummy_run``: the real step path on fake requests) that launch every variant real
+steps will use: tiny whole-model forwards (every layer's kernels once), decode batches of 1, 2 and
+16 rows (kernels that specialise on the token count, the one-row GEMV), a step at each attention
+shape the backends name (``AttentionBackend.warmup_shapes``: prefill tiles, decode split counts)
+and the sampler at each filter kind.
 
 For dense models on CUDA the tasks first run as a compile-ahead pass (``compile_ahead``): every
 Triton launch in this thread becomes a compile-only warm-up that Triton's ``AsyncCompileMode``
@@ -28,11 +29,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import torch
 
-from weir.attention import AttentionMetadata
-from weir.sample.metadata import build_sampling_metadata
 from weir.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -45,103 +43,60 @@ SAMPLING_KINDS = (
 )
 
 
-def scratch_caches(runner) -> list[torch.Tensor | None]:
-    """A one-block KV cache per full-attention layer (block 0, the null block, takes every write)."""
-    scratch = [None] * len(runner.kv_caches)
-    for layer in runner.attn_layers:
-        shape = runner.attn_backend.kv_cache_shape(1, layer)
-        scratch[layer.layer_idx] = torch.zeros(shape, dtype=runner.dtype, device=runner.device)
-    return scratch
-
-
-def dummy_metadata(runner, query_lens: list[int], seq_lens: list[int] | None = None) -> AttentionMetadata:
-    """Fake requests whose keys all live in the null block (block 0). The block table is as wide
-    as a real step's, so kernels specialise on its stride exactly as they will later."""
-    device = runner.device
-    seq_lens = seq_lens or query_lens
-    qsl = np.zeros(len(query_lens) + 1, dtype=np.int32)
-    np.cumsum(query_lens, out=qsl[1:])
-    positions = np.concatenate([np.arange(seq - n, seq) for n, seq in zip(query_lens, seq_lens)])
-    return AttentionMetadata(
-        query_start_loc=torch.from_numpy(qsl).to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.zeros(len(query_lens), runner.max_blocks_per_req, dtype=torch.int32, device=device),
-        slot_mapping=torch.from_numpy(positions % runner.block_size).to(device),
-        num_reqs=len(query_lens), num_tokens=int(qsl[-1]), max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-    )
-
-
-@torch.inference_mode()
-def dummy_forward(runner, query_lens: list[int], kv_caches) -> torch.Tensor:
-    """A whole-model forward over fake prefill requests; returns their last tokens' logits."""
-    metadata = dummy_metadata(runner, query_lens)
-    input_ids = torch.zeros(metadata.num_tokens, dtype=torch.int64, device=runner.device)
-    positions = torch.cat([torch.arange(n, device=runner.device) for n in query_lens])
-    # Hybrid models: every fake request uses the padding state slot (garbage state is fine there).
-    state_indices = torch.full((len(query_lens),), runner.num_state_slots, dtype=torch.int32, device=runner.device)
-    ctx = runner.forward_context(metadata, kv_caches, state_indices, metadata.query_start_loc.cpu())
-    hidden = runner.model(input_ids, positions, ctx)
-    return runner.model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1])
-
-
-def sample_each_kind(runner, all_kinds: tuple[SamplingParams, ...] = SAMPLING_KINDS) -> None:
-    """The sampler at every filter kind (each is its own kernel variant), all in one batch and alone."""
-    vocab_size = runner.config.model.vocab_size
-    logits = torch.randn(len(all_kinds), vocab_size, device=runner.device)
-    for kinds in (all_kinds, all_kinds[1:2], all_kinds[2:3]):
-        metadata = build_sampling_metadata(list(kinds), seeds=list(range(len(kinds))), positions=[1] * len(kinds),
-                                           vocab_size=vocab_size, device=runner.device,
-                                           output_token_ids=[[1]] * len(kinds), prompt_token_ids=[[2]] * len(kinds))
-        runner.sampler.sample(logits[: len(kinds)], metadata)
-
-
-def attention_shapes(runner) -> list[tuple[object, list[int], list[int]]]:
-    """(layer, query_lens, seq_lens) of the attention calls whose kernel variants real steps will
-    use (``AttentionBackend.warmup_shapes``), per distinct full-attention layer shape."""
+def attention_shapes(runner) -> list[tuple[list[int], list[int]]]:
+    """(query_lens, seq_lens) of the steps whose attention kernel variants real steps will use
+    (``AttentionBackend.warmup_shapes``, for one layer of each distinct shape and kind)."""
     scheduler = runner.config.scheduler
     max_prefill_len = min(256, scheduler.max_num_batched_tokens - 1, scheduler.max_model_len)
     decode_batches = runner.capture_sizes[::-1] if runner.use_graphs else []  # captured largest first
-    return [(layer, *shape) for layer in distinct_attention_layers(runner)
-            for shape in runner.attn_backend.warmup_shapes(layer, max_prefill_len, decode_batches,
-                                                           scheduler.max_model_len)]
+    shapes = []
+    for layer in distinct_paged_layers(runner):
+        warmup_shapes = getattr(runner.caches.backend_of(layer), "warmup_shapes", None)
+        if warmup_shapes is not None:
+            for shape in warmup_shapes(layer, max_prefill_len, decode_batches, scheduler.max_model_len):
+                if shape not in shapes:
+                    shapes.append(shape)
+    return shapes
 
 
-@torch.inference_mode()
-def attention_only(runner, scratch, layer, query_lens: list[int], seq_lens: list[int]) -> None:
-    metadata = dummy_metadata(runner, query_lens, seq_lens)
-    generator = torch.Generator(device=runner.device).manual_seed(0)
-    q = torch.randn(metadata.num_tokens, layer.num_heads, layer.head_dim, device=runner.device,
-                    dtype=runner.dtype, generator=generator)
-    kv = torch.randn(2, metadata.num_tokens, layer.num_kv_heads, layer.head_dim, device=runner.device,
-                     dtype=runner.dtype, generator=generator)
-    runner.attn_backend.forward(layer, q, kv[0], kv[1], scratch[layer.layer_idx], metadata)
-
-
-def distinct_attention_layers(runner) -> list:
-    """One full-attention layer per distinct shape (most models have a single one)."""
+def distinct_paged_layers(runner) -> list:
+    """One paged layer per distinct spec apart from its index (most models have one or two)."""
     seen = {}
-    for layer in runner.attn_layers:
-        seen.setdefault((layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.kind), layer)
+    for layer in runner.caches.paged_layers:
+        key = {name: value for name, value in vars(layer).items() if name != "layer_idx"}
+        seen.setdefault((type(layer), tuple(sorted(key.items()))), layer)
     return list(seen.values())
 
 
-def compile_kernel_variants(runner, scratch) -> bool:
+def warmup_tasks(runner, sampling_kinds: tuple[SamplingParams, ...] = SAMPLING_KINDS) -> list:
+    """Dummy steps that between them launch every kernel variant: whole-model forwards at a few
+    batch shapes (kernels that specialise on the token count, the one-row GEMV), every attention
+    shape the backends name (prefill tiles, decode split counts, as graphs will be captured), and
+    the sampler at each filter kind (each is its own kernel variant), in one batch and alone."""
+    forwards = [(query_lens, None, None) for query_lens in ([1, 2], [1], [1, 1], [1] * 16)]
+    attention = [(query_lens, [seq - query for seq, query in zip(seq_lens, query_lens)], None)
+                 for query_lens, seq_lens in attention_shapes(runner)]
+    sampling = [([1] * len(kinds), None, list(kinds))
+                for kinds in (sampling_kinds, sampling_kinds[1:2], sampling_kinds[2:3])]
+    limit = runner.max_running_reqs  # no real step holds more requests (nor has the table more rows)
+    return [(runner.dummy_run, (query_lens[:limit], context_lens and context_lens[:limit], params and params[:limit],
+                                "off"))
+            for query_lens, context_lens, params in forwards + attention + sampling]
+
+
+def compile_kernel_variants(runner) -> bool:
     """Launch every kernel variant once (see the module docstring); returns when all finished,
     True when they were compiled ahead (every variant a step uses is then loaded)."""
     start = time.perf_counter()
-    shapes = attention_shapes(runner)
-    forwards = [(dummy_forward, (runner, query_lens, scratch)) for query_lens in ([1, 2], [1], [1, 1], [1] * 16)]
-    attention = [(attention_only, (runner, scratch, *shape)) for shape in shapes]
     # The sampler's logprobs kind indexes with sampled ids, which a compile-only pass leaves unwritten.
-    compile_ahead_tasks = forwards + attention + [(sample_each_kind, (runner, SAMPLING_KINDS[:-1]))]
-    ahead = compile_ahead_safe(runner) and compile_ahead(runner, compile_ahead_tasks)
-    for fn, args in forwards + attention + [(sample_each_kind, (runner,))]:
+    ahead = compile_ahead_safe(runner) and compile_ahead(runner, warmup_tasks(runner, SAMPLING_KINDS[:-1]))
+    tasks = warmup_tasks(runner)
+    for fn, args in tasks:
         fn(*args)
     runner.platform.synchronize()
-    logger.info("kernel variants %s in %.1f s (%d attention shapes)",
+    logger.info("kernel variants %s in %.1f s (%d dummy steps)",
                 "compiled ahead and launched" if ahead else "compiled and launched", time.perf_counter() - start,
-                len(shapes))
+                len(tasks))
     return ahead
 
 
@@ -152,7 +107,7 @@ def compile_ahead_safe(runner) -> bool:
     """Whether a forward whose Triton kernels do not run is harmless for this model: only when
     no torch op indexes with a Triton kernel's output (MoE routing and linear-attention state
     kernels do) and every kernel compiles without autotuning (fla's would time no-ops)."""
-    return (runner.device.type == "cuda" and not runner.state_layers and runner.moe_backend is None
+    return (runner.device.type == "cuda" and not runner.caches.state_layers and runner.moe_backend is None
             and os.environ.get(COMPILE_AHEAD_ENV, "1") != "0")
 
 

@@ -14,7 +14,7 @@ class NewRequestData:
     req_id: str
     prefill_token_ids: list[int]  # prompt plus outputs so far (a resumed request recomputes them)
     num_prompt_tokens: int
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # per paged cache group (null block where a window freed one)
     num_computed_tokens: int  # prefix-cache hit
     sampling_params: SamplingParams
     seed: int
@@ -24,10 +24,10 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    """Requests the runner already holds: only their newly appended blocks."""
+    """Requests the runner already holds: only their newly appended blocks, per paged cache group."""
 
     req_ids: list[str] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)
 
 
 @dataclass

@@ -187,7 +187,7 @@ class Scheduler:
         params = request.sampling_params
         return NewRequestData(
             req_id=request.request_id, prefill_token_ids=request.all_token_ids,
-            num_prompt_tokens=request.num_prompt_tokens, block_ids=list(request.block_ids),
+            num_prompt_tokens=request.num_prompt_tokens, block_ids=self.kv_cache.block_ids(request),
             num_computed_tokens=request.num_computed_tokens, sampling_params=params, seed=request.seed,
             stop_token_ids=tuple(request.eos_token_ids) + tuple(params.stop_token_ids),
             state_slot=request.state_slot,

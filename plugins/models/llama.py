@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from weir.attention import AttentionLayerSpec, ForwardContext
+from weir.attention import AttentionLayerSpec
+from weir.layer_cache import ForwardContext
 from weir.config import ModelConfig
 from weir.layers import (QKV_GATE_UP_STACKED_PARAMS, GatedMLP, LMHead, RMSNorm, RopeSelfAttention,
                          RotaryEmbedding, VocabEmbedding, head_dim_of, num_kv_heads_of)

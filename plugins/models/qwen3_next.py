@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from weir.attention import AttentionLayerSpec, ForwardContext
+from weir.attention import AttentionLayerSpec
+from weir.layer_cache import ForwardContext
 from weir.config import ModelConfig
 from weir.layers import (QKV_GATE_UP_STACKED_PARAMS, Attention, GatedMLP, LMHead, Linear, MergedLinear,
                          QKVLinear, RotaryEmbedding, VocabEmbedding)
@@ -132,10 +133,10 @@ class GatedDeltaNet(nn.Module):
         mixed_qkv, z, b, a = projected.split(
             [spec.conv_dim, spec.value_dim, spec.num_v_heads, spec.num_v_heads], dim=-1)
         g, beta = delta_net_gates(a, b, self.A_log, self.dt_bias)  # [num_tokens, HV] each
-        backend = ctx.linear_attn_backend
-        core_out = backend.forward(
-            spec, mixed_qkv, g, beta, self.conv1d.weight.squeeze(1),
-            ctx.layer_states[spec.layer_idx], ctx.linear_attn_metadata)  # [num_tokens, HV, Dv]
+        layer = ctx.layers[spec.layer_idx]
+        backend = layer.backend
+        core_out = backend.forward(spec, mixed_qkv, g, beta, self.conv1d.weight.squeeze(1),
+                                   layer.cache, layer.metadata)  # [num_tokens, HV, Dv]
         expected = (num_tokens, spec.num_v_heads, spec.head_v_dim)
         if tuple(core_out.shape) != expected or core_out.dtype != mixed_qkv.dtype:
             raise RuntimeError(f"linear-attention backend {backend.name!r} returned {core_out.dtype} "

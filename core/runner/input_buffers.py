@@ -1,0 +1,76 @@
+"""One step's inputs, in persistent device buffers.
+
+The host copies ``idx_mapping`` and ``query_start_loc`` in; the input-prep kernels
+(``weir.runner.inputs``) write ids, positions, lengths, every group's block tables and slot
+mappings and the state slots beside them. An eager forward reads slices of these buffers; a CUDA
+graph was captured reading the same buffers, so a replay needs no copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class StepPlan:
+    """What the host decided about one step, before anything reaches the device."""
+
+    req_ids: list[str]  # batch order
+    rows: np.ndarray  # [num_reqs] request-table rows
+    query_lens: np.ndarray  # [num_reqs] tokens scheduled per request
+    padded_rows: np.ndarray  # [batch] rows, the padding row after the real ones
+    query_start_loc: np.ndarray  # [batch + 1] int32; padding requests own one token each
+    num_tokens: int
+    max_query_len: int
+    max_seq_len: int  # max_model_len for graph batches: a graph must serve any length
+    graph_size: int | None  # the CUDA graph this step replays or captures, if any
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def batch(self) -> int:
+        return len(self.padded_rows)
+
+
+class InputBuffers:
+    def __init__(self, max_num_reqs: int, max_num_tokens: int, num_groups: int, max_blocks_per_req: int,
+                 device: torch.device, pin_memory: bool, has_state: bool):
+        """Room for a batch of ``max_num_reqs`` requests (padding included) and ``max_num_tokens``
+        tokens. Zero-filled: a forward whose input kernels did not run (compile-only warm-up)
+        still reads valid ids, the null block and the padding state slot's neighbours only."""
+        self.device = device
+        self.pin_memory = pin_memory
+
+        def zeros(*shape, dtype):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.idx_mapping = zeros(max_num_reqs, dtype=torch.int64)  # [B] batch position -> table row
+        self.query_start_loc = zeros(max_num_reqs + 1, dtype=torch.int32)  # [B + 1]
+        self.input_ids = zeros(max_num_tokens, dtype=torch.int64)  # [T]
+        self.positions = zeros(max_num_tokens, dtype=torch.int64)  # [T]
+        self.seq_lens = zeros(max_num_reqs, dtype=torch.int32)  # [B]
+        self.block_tables = zeros(num_groups, max_num_reqs, max_blocks_per_req, dtype=torch.int32)  # [G, B, blocks]
+        self.slot_mappings = zeros(num_groups, max_num_tokens, dtype=torch.int64)  # [G, T]
+        self.state_indices = zeros(max_num_reqs, dtype=torch.int32) if has_state else None  # [B]
+
+    def copy_from_host(self, buffer: torch.Tensor, array: np.ndarray) -> torch.Tensor:
+        """``buffer[:len(array)] = array`` without an implicit sync; returns that slice.
+
+        The source is a fresh (pinned) tensor each time, never a reused one the host might
+        overwrite while the copy is in flight; the copy runs on the current stream, after the
+        previous step's kernels that read the buffer.
+        """
+        target = buffer[: len(array)]
+        source = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type == "cpu":
+            target.copy_(source)
+            return target
+        if self.pin_memory:
+            source = source.pin_memory()
+        target.copy_(source, non_blocking=self.pin_memory)
+        return target
