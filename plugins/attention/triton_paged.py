@@ -155,10 +155,10 @@ class TritonAttentionBackend(AttentionBackend):
         partial_strides = (partial_out.stride(0), partial_out.stride(1), partial_out.stride(2))
         decode_kernel[(num_reqs, layer.num_kv_heads, num_splits)](
             q, kv_cache, out, partial_out, partial_lse,
-            metadata.block_tables, metadata.seq_lens, metadata.query_start_loc, flags.sinks,
-            num_splits, qk_scale, flags.window,
+            metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+            num_splits, qk_scale,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), metadata.block_tables.stride(0),
-            *cache_strides, *partial_strides,
+            *cache_strides, *partial_strides, flags.window, flags.sinks,
             GROUP=group, GROUP_P=group_p, HEAD_DIM=layer.head_dim, BLOCK_N=tiles.block_n,
             BLOCK_SIZE=kv_cache.shape[2], SPLIT=num_splits > 1, PRECISION=precision,
             SLIDING=flags.sliding, HAS_SINKS=flags.has_sinks,
@@ -166,8 +166,8 @@ class TritonAttentionBackend(AttentionBackend):
         )
         if num_splits > 1:
             decode_reduce_kernel[(num_reqs, layer.num_heads)](
-                out, partial_out, partial_lse, metadata.query_start_loc, flags.sinks,
-                num_splits, out.stride(0), out.stride(1), *partial_strides,
+                out, partial_out, partial_lse, metadata.query_start_loc,
+                num_splits, out.stride(0), out.stride(1), *partial_strides, flags.sinks,
                 HEAD_DIM=layer.head_dim, NUM_SPLITS_P=triton.next_power_of_2(num_splits),
                 HAS_SINKS=flags.has_sinks, num_warps=4,
             )
@@ -184,10 +184,10 @@ class TritonAttentionBackend(AttentionBackend):
         # Upper bound on query tiles (see find_request), known on the host without a sync.
         num_tiles = metadata.num_tokens // block_q + metadata.num_reqs
         prefill_kernel[(num_tiles, layer.num_kv_heads)](
-            q, kv_cache, out, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc, flags.sinks,
-            metadata.num_reqs, qk_scale, flags.window,
+            q, kv_cache, out, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+            metadata.num_reqs, qk_scale,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), metadata.block_tables.stride(0),
-            *cache_strides,
+            *cache_strides, flags.window, flags.sinks,
             GROUP=group, GROUP_P=group_p, HEAD_DIM=layer.head_dim, BLOCK_Q=block_q,
             BLOCK_N=tiles.block_n, BLOCK_SIZE=kv_cache.shape[2], PRECISION=precision,
             SLIDING=flags.sliding, HAS_SINKS=flags.has_sinks,

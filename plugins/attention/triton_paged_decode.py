@@ -24,11 +24,12 @@ from weir.plugins.attention.triton_paged_kernels import (LOG2_E_CONST, NEG_BIG, 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt", "window"])
 def decode_kernel(
     q_ptr, cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr,
-    num_splits, qk_scale, window,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    num_splits, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_c_kv, stride_c_block, stride_c_offset, stride_c_head,
     stride_pr, stride_ph, stride_ps,  # partial_out [R, H, S, D]; partial_lse [R, H, S] shares them / D
+    window, sinks_ptr,  # last, so the other parameters keep their offsets (full attention is unchanged)
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
     SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
@@ -97,8 +98,8 @@ def decode_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def decode_reduce_kernel(
-    out_ptr, partial_out_ptr, partial_lse_ptr, query_start_loc_ptr, sinks_ptr,
-    num_splits, stride_ot, stride_oh, stride_pr, stride_ph, stride_ps,
+    out_ptr, partial_out_ptr, partial_lse_ptr, query_start_loc_ptr,
+    num_splits, stride_ot, stride_oh, stride_pr, stride_ph, stride_ps, sinks_ptr,
     HEAD_DIM: tl.constexpr, NUM_SPLITS_P: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """One program per (request, q head): merge the splits' partial outputs by their weights
@@ -118,10 +119,11 @@ def decode_reduce_kernel(
         sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2_E_CONST
         lse_max = tl.maximum(lse_max, sink)
     weights = tl.exp2(lse - lse_max)  # [S]; padded splits get 0
+    outs = tl.load(partial_out_ptr + partial[:, None] + dims[None, :], mask=split_mask[:, None], other=0.0)
+    numerator = tl.sum(outs * weights[:, None], axis=0)  # [D]
     denominator = tl.sum(weights, axis=0)
     if HAS_SINKS:
         denominator += tl.exp2(sink - lse_max)
-    outs = tl.load(partial_out_ptr + partial[:, None] + dims[None, :], mask=split_mask[:, None], other=0.0)
-    merged = tl.sum(outs * weights[:, None], axis=0) / denominator  # [D]
+    merged = numerator / denominator
     tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dims,
              merged.to(out_ptr.dtype.element_ty))

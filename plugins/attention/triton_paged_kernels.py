@@ -110,10 +110,11 @@ def find_request(query_start_loc_ptr, tile_id, num_reqs, BLOCK_Q: tl.constexpr):
 # The block-table stride is max_blocks_per_req: one variant for every max_model_len.
 @triton.jit(do_not_specialize=["num_reqs", "stride_bt", "window"])
 def prefill_kernel(
-    q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr,
-    num_reqs, qk_scale, window,
+    q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    num_reqs, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_c_kv, stride_c_block, stride_c_offset, stride_c_head,
+    window, sinks_ptr,  # last, so the other parameters keep their offsets (full attention is unchanged)
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
     SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
@@ -156,7 +157,6 @@ def prefill_kernel(
     table_row = block_tables_ptr + req.to(tl.int64) * stride_bt
     offsets_n = tl.arange(0, BLOCK_N)
     first_pos = context_len + tile_start  # the tile's first row position
-    kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)  # one past the last visible key
 
     # Keys up to the tile's first position are visible to every row (and, with a window, from
     # the last row's window start on): those tiles run unmasked.
@@ -164,6 +164,7 @@ def prefill_kernel(
     full_end = (first_pos + 1) // BLOCK_N
     kv_lo = 0
     if SLIDING:
+        kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
         kv_lo = tl.maximum(first_pos - window + 1, 0)  # the first row's window start
         first_tile = kv_lo // BLOCK_N
         full_start = tl.maximum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N), first_tile)
@@ -184,6 +185,7 @@ def prefill_kernel(
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N]
         m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, PRECISION)
 
+    kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)  # one past the last visible key
     for kv_tile in range(full_end, tl.cdiv(kv_end, BLOCK_N)):
         m_i, l_i, acc = attend_masked_tile(
             q, m_i, l_i, acc, cache_ptr, table_row, kv_tile, row_pos, kv_lo, kv_end, window, kv_head,
