@@ -238,7 +238,7 @@ def check_prefill_tiles_inside_and_across_the_window(device: str) -> None:
 
 
 def check_gqa_groups_and_sixteen_bit(device: str) -> None:
-    for group in (1, 4):
+    for group in (1, 3, 4):  # 3: padded head rows in both kernels
         for dtype in sixteen_bit(device):
             query_lens, seq_lens = BATCHES["mixed"]
             case = make_case(query_lens, seq_lens, dtype=dtype, sliding_window=5, with_sinks=True, poison=True,
@@ -262,3 +262,109 @@ CHECKS = [check_windows_on_every_batch_kind, check_sinks_alone_and_with_windows,
           check_full_attention_ignores_stale_slots]
 
 test_kernels_interpreted_on_cpu, test_kernels_on_cuda = kernel_check_tests("test_attention_window", CHECKS)
+
+
+# ---- GPU only: realistic shapes (Granite SWA: head_dim 128, 5 q heads per kv head, W=128) --------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# name -> (query_lens, seq_lens): long prompts, chunks after a prefix far past the window, mixed, decode.
+GPU_BATCHES = {
+    "prefill": ([300, 64, 5, 1030], [300, 64, 5, 1030]),
+    "chunked_prefix": ([40, 17, 128, 3], [140, 17 + 300, 128 + 64, 1003]),
+    "mixed": ([1, 33, 1, 7, 1, 200], [500, 33 + 80, 1, 7, 64, 200 + 31]),
+    "decode": ([1] * 7, [1, 15, 16, 17, 300, 1000, 2049]),
+}
+
+
+def run_gpu_case(batch, *, window, with_sinks, group, head_dim=128, block_size=16, dtype=torch.bfloat16,
+                 num_kv_heads=2, **overrides):
+    from weir.plugins.attention.triton_paged import TritonAttentionBackend
+
+    query_lens, seq_lens = GPU_BATCHES[batch]
+    case = make_case(query_lens, seq_lens, num_heads=num_kv_heads * group, num_kv_heads=num_kv_heads,
+                     head_dim=head_dim, block_size=block_size, dtype=dtype, device="cuda", num_padding_tokens=3,
+                     sliding_window=window, with_sinks=with_sinks, poison=True)
+    backend = TritonAttentionBackend(block_size, dtype, torch.device("cuda"))
+    for name, value in overrides.items():
+        setattr(backend, name, value)
+    return check_against_reference(backend, case)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [1, 5])
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no_sinks", "sinks"])
+@pytest.mark.parametrize("window", [1, 16, 100, 128, 4096, None], ids=lambda window: f"W{window}")
+@pytest.mark.parametrize("batch", list(GPU_BATCHES))
+def test_gpu_windows_and_sinks_bf16(batch, window, with_sinks, group):
+    run_gpu_case(batch, window=window, with_sinks=with_sinks, group=group)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 64), (128, 16), (256, 16)])
+@pytest.mark.parametrize("batch", ["chunked_prefix", "mixed", "decode"])
+def test_gpu_other_shapes_and_dtypes(batch, head_dim, block_size, dtype):
+    run_gpu_case(batch, window=100, with_sinks=True, group=4, head_dim=head_dim, block_size=block_size, dtype=dtype)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 2, 7, 64])
+@pytest.mark.parametrize("window", [128, 1000])
+def test_gpu_split_k_over_the_window(window, num_splits):
+    run_gpu_case("decode", window=window, with_sinks=True, group=5, num_kv_heads=1, forced_num_splits=num_splits)
+
+
+@cuda
+@pytest.mark.gpu
+def test_gpu_forward_makes_no_host_sync_with_windows_and_sinks():
+    from weir.plugins.attention.triton_paged import TritonAttentionBackend
+
+    backend = TritonAttentionBackend(16, torch.bfloat16, torch.device("cuda"))
+    for batch in ("mixed", "decode"):
+        query_lens, seq_lens = GPU_BATCHES[batch]
+        case = make_case(query_lens, seq_lens, num_heads=10, num_kv_heads=2, head_dim=128, block_size=16,
+                         dtype=torch.bfloat16, device="cuda", sliding_window=128, with_sinks=True)
+        args = (case.layer, case.q, case.k, case.v, case.kv_cache, case.metadata)
+        backend.forward(*args, sinks=case.sinks)  # compile first
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            backend.forward(*args, sinks=case.sinks)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+
+@cuda
+@pytest.mark.gpu
+def test_gpu_windowed_decode_graph_replays_with_new_lengths():
+    """Capture a padded split-K decode of a windowed layer with sinks, then replay it on other
+    lengths and block tables whose out-of-window entries are stale."""
+    from weir.plugins.attention.triton_paged import TritonAttentionBackend, keys_read
+
+    shape = dict(num_heads=40, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16, device="cuda",
+                 num_padding_tokens=1, num_blocks=700, max_blocks_per_req=260, sliding_window=1000,
+                 with_sinks=True, poison=True)
+    query_lens = [1] * 7 + [0]  # the last request is graph padding: no token, no keys
+    captured = make_case(query_lens, [5, 70, 16, 1, 33, 900, 4000, 0], seed=0, **shape)
+    captured.metadata.max_seq_len = 4096  # the capture-time bound decides the number of splits
+    backend = TritonAttentionBackend(16, torch.bfloat16, torch.device("cuda"))
+    assert backend.num_kv_splits(8, 8, keys_read(captured.layer, 4096)) > 1, "the graph should cover split-K"
+    static = (captured.layer, captured.q, captured.k, captured.v, captured.kv_cache, captured.metadata)
+    backend.forward(*static, sinks=captured.sinks)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = backend.forward(*static, sinks=captured.sinks)
+
+    fresh = make_case(query_lens, [4000, 1, 17, 64, 2555, 3, 1500, 0], seed=1, **shape)
+    for static_tensor, new_tensor in ((captured.q, fresh.q), (captured.k, fresh.k), (captured.v, fresh.v),
+                                      (captured.kv_cache, fresh.kv_cache), (captured.sinks, fresh.sinks)):
+        static_tensor.copy_(new_tensor)
+    for field in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+        getattr(captured.metadata, field).copy_(getattr(fresh.metadata, field))
+    expected = check_against_reference(backend, fresh)  # eager result, checked against the reference
+    graph.replay()
+    torch.testing.assert_close(graph_out[:7], expected[:7], atol=2e-2, rtol=2e-2)

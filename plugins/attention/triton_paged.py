@@ -98,7 +98,10 @@ class TritonAttentionBackend(AttentionBackend):
 
     def warmup_shapes(self, layer: AttentionLayerSpec, max_prefill_len: int, decode_batches: list[int],
                       decode_seq_len: int) -> list[tuple[list[int], list[int]]]:
-        """One shape per kernel variant: per prefill tile config, per decode split class."""
+        """One shape per kernel variant: per prefill tile config, per decode split class (a
+        window's decode splits follow from its length). The window and sinks flags are the
+        layer's: layers that differ in them (full and sliding, with and without sinks) are
+        different variants, so warm-up asks once per distinct combination."""
         group_p = triton.next_power_of_2(layer.num_heads // layer.num_kv_heads)
         by_variant: dict[tuple, tuple[list[int], list[int]]] = {}
         for query_lens, seq_lens in super().warmup_shapes(layer, max_prefill_len, decode_batches, decode_seq_len):

@@ -164,7 +164,7 @@ def prefill_kernel(
     full_end = (first_pos + 1) // BLOCK_N
     kv_lo = 0
     if SLIDING:
-        kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
+        kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)  # also set below, where full attention has it
         kv_lo = tl.maximum(first_pos - window + 1, 0)  # the first row's window start
         first_tile = kv_lo // BLOCK_N
         full_start = tl.maximum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N), first_tile)
