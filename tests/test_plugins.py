@@ -325,7 +325,8 @@ def test_selection_asks_supports_and_unavailable_reason(monkeypatch):
     from weir.cli.plugins_cmd import describe_plugins
 
     rows = {row["name"]: row for row in describe_plugins(registry)}
-    assert rows["by_override"]["available"] and rows["by_override"]["layer_kinds"] == ["full_attention"]
+    assert rows["by_override"]["available"]
+    assert rows["by_override"]["layer_kinds"] == ["full_attention", "sliding_attention"]  # the reference's
     assert rows["gdn_torch"]["layer_kinds"] == ["gated_delta_net"]
     assert not rows["needs_kernels"]["available"] and "kernels package" in rows["needs_kernels"]["reason"]
 

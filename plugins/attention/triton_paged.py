@@ -1,4 +1,5 @@
-"""Paged attention in Triton: the default full-attention backend on CUDA (and ROCm) devices.
+"""Paged attention in Triton: the default full- and sliding-window attention backend on CUDA
+(and ROCm) devices, with or without attention sinks.
 
 Each forward stores this step's K/V (``weir.kernels.kv_store``: padding slots skipped), then:
 - a pure decode batch (``max_query_len == 1``) runs the decode kernel, split over the key
@@ -7,6 +8,8 @@ Each forward stores this step's K/V (``weir.kernels.kv_store``: padding slots sk
   prefill kernel for the rest, which attends over cached prefix blocks and this step's tokens.
 Grids come from host ints only, so no step syncs, and a decode launch with a fixed padded
 ``num_reqs`` can be captured in a CUDA graph (lengths are read from the metadata tensors).
+A layer's window and sinks are constexpr flags of both kernels: each combination a model
+uses is one more compiled variant, and layers without them run the same code as before.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from weir.attention import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+from weir.attention import (FULL_ATTENTION, SLIDING_ATTENTION, AttentionBackend, AttentionLayerSpec,
+                            AttentionMetadata)
 from weir.kernels.kv_store import store_kv
+from weir.plugins.attention.torch_ref import check_sinks
 from weir.plugins.attention.triton_paged_decode import decode_kernel, decode_reduce_kernel
 from weir.plugins.attention.triton_paged_kernels import LOG2_E, prefill_kernel
 
@@ -62,6 +67,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     supported_devices = frozenset({"cuda"})
+    supported_layer_kinds = frozenset({FULL_ATTENTION, SLIDING_ATTENTION})
+    supports_sinks = True
     supports_cuda_graphs = True
 
     def __init__(self, block_size: int, dtype: torch.dtype, device: torch.device):
@@ -79,7 +86,10 @@ class TritonAttentionBackend(AttentionBackend):
         return super().kv_cache_shape(num_blocks, layer)
 
     def num_kv_splits(self, num_reqs: int, num_kv_heads: int, max_seq_len: int) -> int:
-        """How many programs share one (request, kv head) of a decode batch; host ints only."""
+        """How many programs share one (request, kv head) of a decode batch; host ints only.
+
+        ``max_seq_len`` is the most keys one request reads: ``min(max_seq_len, W)`` for a window.
+        """
         if self.forced_num_splits is not None:
             return self.forced_num_splits
         programs = num_reqs * num_kv_heads
@@ -88,7 +98,10 @@ class TritonAttentionBackend(AttentionBackend):
 
     def warmup_shapes(self, layer: AttentionLayerSpec, max_prefill_len: int, decode_batches: list[int],
                       decode_seq_len: int) -> list[tuple[list[int], list[int]]]:
-        """One shape per kernel variant: per prefill tile config, per decode split class."""
+        """One shape per kernel variant: per prefill tile config, per decode split class (a
+        window's decode splits follow from its length). The window and sinks flags are the
+        layer's: layers that differ in them (full and sliding, with and without sinks) are
+        different variants, so warm-up asks once per distinct combination."""
         group_p = triton.next_power_of_2(layer.num_heads // layer.num_kv_heads)
         by_variant: dict[tuple, tuple[list[int], list[int]]] = {}
         for query_lens, seq_lens in super().warmup_shapes(layer, max_prefill_len, decode_batches, decode_seq_len):
@@ -96,7 +109,8 @@ class TritonAttentionBackend(AttentionBackend):
                 variant = ("prefill", self.prefill_tiles or default_prefill_tiles(
                     layer.head_dim, max(query_lens), group_p, self.dtype))
             else:
-                splits = self.num_kv_splits(len(query_lens), layer.num_kv_heads, decode_seq_len)
+                splits = self.num_kv_splits(len(query_lens), layer.num_kv_heads,
+                                            keys_read(layer, decode_seq_len))
                 variant = ("decode", triton.next_power_of_2(splits) if splits > 1 else 1)
             by_variant.setdefault(variant, (query_lens, seq_lens))
         return list(by_variant.values())
@@ -109,11 +123,14 @@ class TritonAttentionBackend(AttentionBackend):
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
+        sinks: torch.Tensor | None = None,  # [num_heads] fp32
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         check_head_dim(layer.head_dim)
+        check_sinks(layer, sinks)
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         num_tokens, num_reqs = metadata.num_tokens, metadata.num_reqs
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        flags = LayerFlags.of(layer, sinks, out)
         if q.shape[0] > num_tokens:  # padded rows (CUDA graphs): keep them finite for later ops
             out[num_tokens:].zero_()
         if num_tokens == 0 or num_reqs == 0:
@@ -128,7 +145,7 @@ class TritonAttentionBackend(AttentionBackend):
 
         num_splits = 1
         if metadata.max_query_len == 1:
-            num_splits = self.num_kv_splits(num_reqs, layer.num_kv_heads, metadata.max_seq_len)
+            num_splits = self.num_kv_splits(num_reqs, layer.num_kv_heads, keys_read(layer, metadata.max_seq_len))
         tiles = self.decode_tiles or default_decode_tiles(layer.head_dim)
         if num_splits > 1:
             # Contiguous, so the lse buffer's offsets are the output buffer's divided by head_dim.
@@ -144,22 +161,24 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
             num_splits, qk_scale,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), metadata.block_tables.stride(0),
-            *cache_strides, *partial_strides,
+            *cache_strides, *partial_strides, flags.window, flags.sinks,
             GROUP=group, GROUP_P=group_p, HEAD_DIM=layer.head_dim, BLOCK_N=tiles.block_n,
             BLOCK_SIZE=kv_cache.shape[2], SPLIT=num_splits > 1, PRECISION=precision,
+            SLIDING=flags.sliding, HAS_SINKS=flags.has_sinks,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
         if num_splits > 1:
             decode_reduce_kernel[(num_reqs, layer.num_heads)](
                 out, partial_out, partial_lse, metadata.query_start_loc,
-                num_splits, out.stride(0), out.stride(1), *partial_strides,
-                HEAD_DIM=layer.head_dim, NUM_SPLITS_P=triton.next_power_of_2(num_splits), num_warps=4,
+                num_splits, out.stride(0), out.stride(1), *partial_strides, flags.sinks,
+                HEAD_DIM=layer.head_dim, NUM_SPLITS_P=triton.next_power_of_2(num_splits),
+                HAS_SINKS=flags.has_sinks, num_warps=4,
             )
         if metadata.max_query_len > 1:
-            self._prefill(layer, q, kv_cache, out, metadata, group, qk_scale, precision, cache_strides)
+            self._prefill(layer, q, kv_cache, out, metadata, group, qk_scale, precision, cache_strides, flags)
         return out
 
-    def _prefill(self, layer, q, kv_cache, out, metadata, group, qk_scale, precision, cache_strides):
+    def _prefill(self, layer, q, kv_cache, out, metadata, group, qk_scale, precision, cache_strides, flags):
         """The varlen kernel for every request with query_len >= 2."""
         group_p = triton.next_power_of_2(group)
         tiles = self.prefill_tiles or default_prefill_tiles(layer.head_dim, metadata.max_query_len, group_p,
@@ -171,11 +190,38 @@ class TritonAttentionBackend(AttentionBackend):
             q, kv_cache, out, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
             metadata.num_reqs, qk_scale,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), metadata.block_tables.stride(0),
-            *cache_strides,
+            *cache_strides, flags.window, flags.sinks,
             GROUP=group, GROUP_P=group_p, HEAD_DIM=layer.head_dim, BLOCK_Q=block_q,
             BLOCK_N=tiles.block_n, BLOCK_SIZE=kv_cache.shape[2], PRECISION=precision,
+            SLIDING=flags.sliding, HAS_SINKS=flags.has_sinks,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
+
+
+@dataclass(frozen=True)
+class LayerFlags:
+    """A layer's window and sinks as the kernels take them: constexpr flags and their operands."""
+
+    sliding: bool
+    window: int  # W, or 0 when not sliding (unread)
+    has_sinks: bool
+    sinks: torch.Tensor  # [num_heads]; any tensor when has_sinks is off (unread)
+
+    @classmethod
+    def of(cls, layer: AttentionLayerSpec, sinks: torch.Tensor | None, placeholder: torch.Tensor) -> LayerFlags:
+        if sinks is not None and (sinks.device != placeholder.device or sinks.stride(0) != 1):
+            raise ValueError(f"layer {layer.layer_idx}: sinks must be a contiguous tensor on "
+                             f"{placeholder.device}, got stride {sinks.stride()} on {sinks.device}")
+        window = layer.sliding_window
+        return cls(sliding=window is not None, window=window or 0, has_sinks=sinks is not None,
+                   sinks=sinks if sinks is not None else placeholder)
+
+
+def keys_read(layer: AttentionLayerSpec, max_seq_len: int) -> int:
+    """The most keys one decode query reads: the whole sequence, or its window."""
+    if layer.sliding_window is None:
+        return max_seq_len
+    return min(max_seq_len, layer.sliding_window)
 
 
 def check_head_dim(head_dim: int) -> None:

@@ -5,6 +5,10 @@ so each K/V tile is read once per group. With ``NUM_SPLITS_P > 1`` the key range
 ``num_splits`` pieces that write partial results (normalised output and base-2 log-sum-exp);
 ``decode_reduce_kernel`` merges them. Every length is read from device tensors, so a launch
 depends only on host ints and can be captured in a CUDA graph.
+
+With a sliding window (``SLIDING``) a request reads only its last ``min(seq_len, W)`` keys,
+and the splits divide that range. Sinks (``HAS_SINKS``) join the denominator once: at the end
+of the kernel without splits, in the reduce with them (the partials leave them out).
 """
 
 from __future__ import annotations
@@ -12,11 +16,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from weir.plugins.attention.triton_paged_kernels import NEG_BIG, kv_tile_offsets, online_softmax_step
+from weir.plugins.attention.triton_paged_kernels import (LOG2_E_CONST, NEG_BIG, fold_sinks, kv_tile_offsets,
+                                                         online_softmax_step)
 
 
 # The block-table stride is max_blocks_per_req: one variant for every max_model_len.
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["num_splits", "stride_bt", "window"])
 def decode_kernel(
     q_ptr, cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -24,8 +29,10 @@ def decode_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_c_kv, stride_c_block, stride_c_offset, stride_c_head,
     stride_pr, stride_ph, stride_ps,  # partial_out [R, H, S, D]; partial_lse [R, H, S] shares them / D
+    window, sinks_ptr,  # last, so the other parameters keep their offsets (full attention is unchanged)
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Attention of one query token per request, for the requests whose query_len is 1."""
     req = tl.program_id(0)
@@ -36,7 +43,11 @@ def decode_kernel(
     if query_len != 1:  # prefill requests of a mixed batch, or padding requests
         return
     seq_len = tl.load(seq_lens_ptr + req)
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    num_keys = seq_len
+    if SLIDING:  # tiles start at the window's first key: nothing before it (nor its page) is loaded
+        kv_start = tl.maximum(seq_len - window, 0)
+        num_keys = seq_len - kv_start
+    num_tiles = tl.cdiv(num_keys, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     first_tile = split * tiles_per_split
     end_tile = tl.minimum(first_tile + tiles_per_split, num_tiles)
@@ -56,6 +67,8 @@ def decode_kernel(
     offsets_n = tl.arange(0, BLOCK_N)
     for kv_tile in range(first_tile, end_tile):
         keys = kv_tile * BLOCK_N + offsets_n
+        if SLIDING:
+            keys += kv_start
         key_mask = keys < seq_len
         pages = tl.load(table_row + keys // BLOCK_SIZE, mask=key_mask, other=0)
         rows_kv = kv_tile_offsets(pages, keys, kv_head, stride_c_block, stride_c_offset, stride_c_head,
@@ -67,6 +80,9 @@ def decode_kernel(
         scores = tl.where(key_mask[None, :], scores, float("-inf"))
         m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, PRECISION)
 
+    if HAS_SINKS:
+        if not SPLIT:  # with splits, the reduce adds them once
+            l_i, acc = fold_sinks(m_i, l_i, acc, sinks_ptr, heads, head_valid)
     # A split with no keys (short request) leaves l_i = 0: output 0 with weight exp2(NEG_BIG).
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -83,10 +99,11 @@ def decode_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def decode_reduce_kernel(
     out_ptr, partial_out_ptr, partial_lse_ptr, query_start_loc_ptr,
-    num_splits, stride_ot, stride_oh, stride_pr, stride_ph, stride_ps,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS_P: tl.constexpr,
+    num_splits, stride_ot, stride_oh, stride_pr, stride_ph, stride_ps, sinks_ptr,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS_P: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
-    """One program per (request, q head): merge the splits' partial outputs by their weights."""
+    """One program per (request, q head): merge the splits' partial outputs by their weights
+    (and the head's sink, a weight whose output is zero)."""
     req = tl.program_id(0)
     head = tl.program_id(1)
     token = tl.load(query_start_loc_ptr + req)
@@ -97,8 +114,16 @@ def decode_reduce_kernel(
     dims = tl.arange(0, HEAD_DIM)
     partial = req.to(tl.int64) * stride_pr + head * stride_ph + splits * stride_ps  # [S]
     lse = tl.load(partial_lse_ptr + partial // HEAD_DIM, mask=split_mask, other=float("-inf"))
-    weights = tl.exp2(lse - tl.max(lse, axis=0))  # [S]; padded splits get 0
+    lse_max = tl.max(lse, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2_E_CONST
+        lse_max = tl.maximum(lse_max, sink)
+    weights = tl.exp2(lse - lse_max)  # [S]; padded splits get 0
     outs = tl.load(partial_out_ptr + partial[:, None] + dims[None, :], mask=split_mask[:, None], other=0.0)
-    merged = tl.sum(outs * weights[:, None], axis=0) / tl.sum(weights, axis=0)  # [D]
+    numerator = tl.sum(outs * weights[:, None], axis=0)  # [D]
+    denominator = tl.sum(weights, axis=0)
+    if HAS_SINKS:
+        denominator += tl.exp2(sink - lse_max)
+    merged = numerator / denominator
     tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dims,
              merged.to(out_ptr.dtype.element_ty))

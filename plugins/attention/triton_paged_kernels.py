@@ -8,6 +8,12 @@ page by page through the block table, so a tile may span several pages (or part 
 Softmax runs in base 2 (``qk_scale`` already holds ``log2(e)``) with fp32 statistics. Running
 maxima start at a large finite negative instead of ``-inf`` so that a row whose keys are all
 masked in a tile never computes ``-inf - -inf``.
+
+Sliding windows (``SLIDING``, runtime ``window`` W: the query at position p sees keys
+``p - W + 1 .. p``) and sinks (``HAS_SINKS``: one extra logit per q head in the denominator,
+folded in after the last key tile) are constexpr flags, so full-attention layers compile to
+the same code as without them. Keys before a window are never loaded, nor their block-table
+entries: those blocks may already belong to another request.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import triton
 import triton.language as tl
 
 LOG2_E = 1.4426950408889634
+LOG2_E_CONST = tl.constexpr(LOG2_E)  # the same, readable inside kernels
 NEG_BIG = tl.constexpr(-1.0e30)  # "minus infinity" that stays finite under subtraction
 
 
@@ -44,6 +51,44 @@ def online_softmax_step(scores, v, m_i, l_i, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def fold_sinks(m_i, l_i, acc, sinks_ptr, heads, head_valid):
+    """Add each row's sink logit (natural-log units, as the model's ``sinks``) to its softmax
+    denominator; its value row is zero, so only the normaliser and the rescaled acc change.
+
+    Returns ``(l_i, acc)`` on the new running maximum ``max(m_i, sink)``, which stays exact for
+    large sinks and for rows that saw no key (``m_i = NEG_BIG``).
+    """
+    sink = tl.load(sinks_ptr + heads, mask=head_valid, other=0.0).to(tl.float32) * LOG2_E_CONST  # [M]
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.exp2(sink - m_new)
+    return l_i, acc * alpha[:, None]
+
+
+@triton.jit
+def attend_masked_tile(q, m_i, l_i, acc, cache_ptr, table_row, kv_tile, row_pos, kv_lo, kv_end, window,
+                       kv_head, qk_scale, dims, stride_c_kv, stride_c_block, stride_c_offset, stride_c_head,
+                       BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr,
+                       PRECISION: tl.constexpr):
+    """Fold one key tile whose keys some rows may not see: causally, outside ``[kv_lo, kv_end)``,
+    or (``SLIDING``) before a row's window. Keys outside ``[kv_lo, kv_end)`` are not loaded."""
+    keys = kv_tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [N]
+    key_mask = keys < kv_end
+    if SLIDING:
+        key_mask = key_mask & (keys >= kv_lo)
+    pages = tl.load(table_row + keys // BLOCK_SIZE, mask=key_mask, other=0)
+    rows_kv = kv_tile_offsets(pages, keys, kv_head, stride_c_block, stride_c_offset, stride_c_head, BLOCK_SIZE)
+    k = tl.load(cache_ptr + rows_kv[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)
+    v = tl.load(cache_ptr + stride_c_kv + rows_kv[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N]
+    visible = (keys[None, :] <= row_pos[:, None]) & key_mask[None, :]
+    if SLIDING:
+        visible = visible & (keys[None, :] > row_pos[:, None] - window)
+    scores = tl.where(visible, scores, float("-inf"))
+    return online_softmax_step(scores, v, m_i, l_i, acc, PRECISION)
+
+
+@triton.jit
 def find_request(query_start_loc_ptr, tile_id, num_reqs, BLOCK_Q: tl.constexpr):
     """The request owning query tile ``tile_id``; request r's tiles start at qsl[r] // BLOCK_Q + r.
 
@@ -63,21 +108,24 @@ def find_request(query_start_loc_ptr, tile_id, num_reqs, BLOCK_Q: tl.constexpr):
 
 # Batch sizes vary every step: no value specialisation, so no compile in the middle of a run.
 # The block-table stride is max_blocks_per_req: one variant for every max_model_len.
-@triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt", "window"])
 def prefill_kernel(
     q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     num_reqs, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_c_kv, stride_c_block, stride_c_offset, stride_c_head,
+    window, sinks_ptr,  # last, so the other parameters keep their offsets (full attention is unchanged)
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Causal attention for requests with query_len >= 2 (query_len 1 goes to the decode kernel).
 
     One program per (query tile, kv head). Its BLOCK_Q tokens times the GROUP q heads sharing
     the kv head form the BLOCK_M = BLOCK_Q * GROUP_P rows of one tile, so each K/V tile is
     loaded once for the whole group. Key tiles that every row may see run unmasked; only the
-    tail that crosses the causal diagonal is masked.
+    tail that crosses the causal diagonal is masked, and with a window, the head that crosses
+    the window's start (tiles wholly before the first row's window are skipped).
     """
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     # Highest tile ids first: the last tiles of a request see the most keys, so they start early.
@@ -108,10 +156,26 @@ def prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     table_row = block_tables_ptr + req.to(tl.int64) * stride_bt
     offsets_n = tl.arange(0, BLOCK_N)
+    first_pos = context_len + tile_start  # the tile's first row position
 
-    # Keys up to the tile's first position are visible to every row.
-    num_full_tiles = (context_len + tile_start + 1) // BLOCK_N
-    for kv_tile in range(0, num_full_tiles):
+    # Keys up to the tile's first position are visible to every row (and, with a window, from
+    # the last row's window start on): those tiles run unmasked.
+    full_start = 0
+    full_end = (first_pos + 1) // BLOCK_N
+    kv_lo = 0
+    if SLIDING:
+        kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)  # also set below, where full attention has it
+        kv_lo = tl.maximum(first_pos - window + 1, 0)  # the first row's window start
+        first_tile = kv_lo // BLOCK_N
+        full_start = tl.maximum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N), first_tile)
+        full_end = tl.maximum(full_end, full_start)
+        for kv_tile in range(first_tile, full_start):
+            m_i, l_i, acc = attend_masked_tile(
+                q, m_i, l_i, acc, cache_ptr, table_row, kv_tile, row_pos, kv_lo, kv_end, window, kv_head,
+                qk_scale, dims, stride_c_kv, stride_c_block, stride_c_offset, stride_c_head,
+                BLOCK_N, BLOCK_SIZE, SLIDING, PRECISION)
+
+    for kv_tile in range(full_start, full_end):
         keys = kv_tile * BLOCK_N + offsets_n
         pages = tl.load(table_row + keys // BLOCK_SIZE)
         rows_kv = kv_tile_offsets(pages, keys, kv_head, stride_c_block, stride_c_offset, stride_c_head,
@@ -121,21 +185,15 @@ def prefill_kernel(
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N]
         m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, PRECISION)
 
-    kv_end = tl.minimum(seq_len, context_len + tile_start + BLOCK_Q)  # one past the last visible key
-    for kv_tile in range(num_full_tiles, tl.cdiv(kv_end, BLOCK_N)):
-        keys = kv_tile * BLOCK_N + offsets_n
-        key_mask = keys < kv_end
-        pages = tl.load(table_row + keys // BLOCK_SIZE, mask=key_mask, other=0)
-        rows_kv = kv_tile_offsets(pages, keys, kv_head, stride_c_block, stride_c_offset, stride_c_head,
-                                  BLOCK_SIZE)
-        k = tl.load(cache_ptr + rows_kv[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)
-        v = tl.load(cache_ptr + stride_c_kv + rows_kv[:, None] + dims[None, :],
-                    mask=key_mask[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        visible = (keys[None, :] <= row_pos[:, None]) & key_mask[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, PRECISION)
+    kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)  # one past the last visible key
+    for kv_tile in range(full_end, tl.cdiv(kv_end, BLOCK_N)):
+        m_i, l_i, acc = attend_masked_tile(
+            q, m_i, l_i, acc, cache_ptr, table_row, kv_tile, row_pos, kv_lo, kv_end, window, kv_head,
+            qk_scale, dims, stride_c_kv, stride_c_block, stride_c_offset, stride_c_head,
+            BLOCK_N, BLOCK_SIZE, SLIDING, PRECISION)
 
+    if HAS_SINKS:
+        l_i, acc = fold_sinks(m_i, l_i, acc, sinks_ptr, heads, row_valid)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
