@@ -13,8 +13,8 @@ import logging
 import numpy as np
 import torch
 
+from weir.buffers.staged_write import host_to_device
 from weir.linear_attention import GatedDeltaNetLayerSpec, LayerState, LinearAttentionBackend
-from weir.runner.staged_write import host_to_device
 
 logger = logging.getLogger(__name__)
 GiB = 2**30

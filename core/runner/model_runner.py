@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from weir.attention import AttentionMetadata, ForwardContext
+from weir.buffers.staged_write import host_to_device
 from weir.config import EngineConfig
 from weir.layers.attention import Attention
 from weir.layers.moe import FusedExperts
@@ -35,7 +36,6 @@ from weir.runner.inputs import gather_block_tables_and_slot_mapping, post_update
 from weir.runner.memory import profile_peak_bytes
 from weir.runner.request_table import RequestTable
 from weir.runner.sampling import gather_sampling_metadata
-from weir.runner.staged_write import host_to_device
 from weir.runner.warmup import compile_kernel_variants, scratch_caches
 from weir.sample.sampler import Sampler
 from weir.scheduler.output import SchedulerOutput

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from weir.runner.staged_write import StagedWriteTensor, host_to_device
+from weir.buffers.staged_write import StagedWriteTensor, host_to_device
 from weir.scheduler.output import NewRequestData
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from weir.buffers.staged_write import host_to_device
 from weir.runner.request_table import RequestTable
-from weir.runner.staged_write import host_to_device
 from weir.sample.metadata import SamplingMetadata
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from weir.runner.staged_write import host_to_device
+from weir.buffers.staged_write import host_to_device
 from weir.sampling_params import SamplingParams
 
 
