@@ -13,10 +13,11 @@ import logging
 import math
 import time
 
+import numpy as np
 import torch
 
 from weir.runner.warmup import dummy_forward, scratch_caches
-from weir.sample.metadata import build_sampling_metadata
+from weir.sample import Sampler
 from weir.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -58,11 +59,11 @@ def profile_peak_bytes(runner) -> tuple[int, int]:
         # The costliest sampling: penalties ([rows, vocab] counts and masks) and full logprobs.
         params = SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1,
                                 logprobs=runner.config.max_logprobs)
-        metadata = build_sampling_metadata([params] * num_rows, seeds=list(range(num_rows)),
-                                           positions=[1] * num_rows, vocab_size=logits.shape[1],
-                                           device=runner.device, output_token_ids=[[1]] * num_rows,
-                                           prompt_token_ids=[[2]] * num_rows)
-        runner.sampler.sample(logits, metadata)
+        sampler = Sampler.for_params([params] * num_rows, seeds=list(range(num_rows)), vocab_size=logits.shape[1],
+                                     device=runner.device, output_token_ids=[[1]] * num_rows,
+                                     prompt_token_ids=[[2]] * num_rows)
+        positions = torch.ones(num_rows, dtype=torch.int32, device=runner.device)
+        sampler.sample(logits, torch.arange(num_rows, device=runner.device), np.arange(num_rows), positions)
 
     start = time.perf_counter()
     step_peak = peak_of(largest_step)

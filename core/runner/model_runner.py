@@ -35,9 +35,8 @@ from weir.runner.cuda_graphs import CudaGraphRunner, default_capture_sizes, grap
 from weir.runner.inputs import gather_block_tables_and_slot_mapping, post_update, prepare_step_inputs
 from weir.runner.memory import profile_peak_bytes
 from weir.runner.request_table import RequestTable
-from weir.runner.sampling import gather_sampling_metadata
 from weir.runner.warmup import compile_kernel_variants, scratch_caches
-from weir.sample.sampler import Sampler
+from weir.sample import Sampler
 from weir.scheduler.output import SchedulerOutput
 from weir.weights import iter_checkpoint
 from weir.weights.loader import load_model
@@ -97,7 +96,7 @@ class ModelRunner:
         self.moe_backend = choose_moe_backend()() if uses_moe else None
         logger.info("backends: attention %s", ", ".join(f"{kind}={cls.name}" for kind, cls in backends.items())
                     + (f"; MoE {self.moe_backend.name}" if uses_moe else ""))
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.scheduler.max_num_seqs, model_config.vocab_size, self.device, self.pin_memory)
         num_layers = max(l.layer_idx for l in self.attn_layers + self.state_layers) + 1
         self.kv_caches: list[torch.Tensor | None] = [None] * num_layers
         self.layer_states: list[LayerState | None] = [None] * num_layers
@@ -123,8 +122,7 @@ class ModelRunner:
 
         self.table = RequestTable(
             max_num_reqs=config.scheduler.max_num_seqs, max_model_len=max_model_len,
-            max_blocks_per_req=self.max_blocks_per_req, vocab_size=model_config.vocab_size,
-            device=self.device, pin_memory=self.pin_memory,
+            max_blocks_per_req=self.max_blocks_per_req, device=self.device, pin_memory=self.pin_memory,
             padding_state_slot=self.num_state_slots if self.state_layers else None,
         )
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -189,7 +187,7 @@ class ModelRunner:
         if self.use_graphs:
             logits_row_bytes = self.config.model.vocab_size * self.dtype.itemsize
             self.graph_reserve_bytes = graph_pool_bytes_estimate(decode_peak, self.capture_sizes, logits_row_bytes)
-        # The request table allocates its [rows, vocab] penalty state (int32 counts + bool mask)
+        # The sampler allocates its [rows, vocab] penalty state (int32 counts + bool mask)
         # when the first request with penalties arrives: keep room for it.
         penalty_state = self.config.scheduler.max_num_seqs * self.config.model.vocab_size * 5
         free, total = self.platform.memory_info()
@@ -224,12 +222,18 @@ class ModelRunner:
 
     def _update_states(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids | out.preempted_req_ids:
-            self.table.remove(req_id)
+            row = self.table.remove(req_id)
+            if row is not None:
+                self.sampler.remove_request(row)
         for new in out.new_reqs:
-            self.table.add(new)
+            row = self.table.add(new)
+            token_ids = new.prefill_token_ids
+            self.sampler.add_request(row, new.sampling_params, new.seed, token_ids[: new.num_prompt_tokens],
+                                     token_ids[new.num_prompt_tokens:], new.stop_token_ids)
         for req_id, block_ids in zip(out.cached_reqs.req_ids, out.cached_reqs.new_block_ids):
             self.table.append_blocks(req_id, block_ids)
         self.table.apply_staged_writes()
+        self.sampler.apply_staged_writes()
         if self.state_layers:
             self.linear_state.zero_slots([new.state_slot for new in out.new_reqs], self.device, self.pin_memory)
 
@@ -278,11 +282,12 @@ class ModelRunner:
         logits = logits[:num_reqs]  # the model's dtype: the sampler upcasts only where it must
 
         real_rows = idx_mapping[:num_reqs]
-        sampling_metadata = gather_sampling_metadata(table, rows, real_rows, seq_lens[:num_reqs], req_ids,
-                                                     out.min_tokens_req_ids)
-        sampled = self.sampler.sample(logits, sampling_metadata)
+        min_tokens = ([i for i, req_id in enumerate(req_ids) if req_id in out.min_tokens_req_ids]
+                      if out.min_tokens_req_ids else [])
+        # seq_lens: the tokens before each row's sampled one.
+        sampled = self.sampler.sample(logits, real_rows, rows, seq_lens[:num_reqs], min_tokens)
         post_update(table.token_ids.gpu, table.num_tokens.gpu, table.num_computed_tokens.gpu,
-                    table.output_token_counts, real_rows, qsl[1: num_reqs + 1] - qsl[:num_reqs],
+                    self.sampler.output_token_counts, real_rows, qsl[1: num_reqs + 1] - qsl[:num_reqs],
                     sampled.sampled_token_ids)
         table.num_computed_host[rows] += query_lens
         return AsyncOutput(req_ids, sampled.sampled_token_ids, sampled.logprob_token_ids,

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from weir.attention import AttentionMetadata
-from weir.sample.metadata import build_sampling_metadata
+from weir.sample import Sampler
 from weir.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -90,10 +90,14 @@ def sample_each_kind(runner, all_kinds: tuple[SamplingParams, ...] = SAMPLING_KI
     vocab_size = runner.config.model.vocab_size
     logits = torch.randn(len(all_kinds), vocab_size, device=runner.device)
     for kinds in (all_kinds, all_kinds[1:2], all_kinds[2:3]):
-        metadata = build_sampling_metadata(list(kinds), seeds=list(range(len(kinds))), positions=[1] * len(kinds),
-                                           vocab_size=vocab_size, device=runner.device,
-                                           output_token_ids=[[1]] * len(kinds), prompt_token_ids=[[2]] * len(kinds))
-        runner.sampler.sample(logits[: len(kinds)], metadata)
+        # A scratch sampler: the runner's keeps no rows (nor penalty state) for fake requests.
+        num_rows = len(kinds)
+        sampler = Sampler.for_params(list(kinds), seeds=list(range(num_rows)), vocab_size=vocab_size,
+                                     device=runner.device, output_token_ids=[[1]] * num_rows,
+                                     prompt_token_ids=[[2]] * num_rows)
+        positions = torch.ones(num_rows, dtype=torch.int32, device=runner.device)  # int32, as a step's seq_lens
+        sampler.sample(logits[:num_rows], torch.arange(num_rows, device=runner.device), np.arange(num_rows),
+                       positions)
 
 
 def attention_shapes(runner) -> list[tuple[object, list[int], list[int]]]:
