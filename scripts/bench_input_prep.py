@@ -16,8 +16,9 @@ import argparse
 
 import torch
 
+from weir.buffers import staged_write
 from weir.kernels import kv_store, triton_input_prep as tk, triton_kv_store
-from weir.runner import inputs, staged_write
+from weir.runner import inputs
 
 NUM_ROWS, MAX_MODEL_LEN, BLOCK_SIZE, VOCAB = 1024, 4096, 16, 151_936
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128

@@ -20,8 +20,16 @@ from transformers import LlamaConfig
 
 from weir.kernels.dispatch import forced_torch_ops
 from weir.layers import RMSNorm, RotaryEmbedding
-from weir.sample import Sampler, build_sampling_metadata
+from weir.sample import Sampler
 from weir.sampling_params import SamplingParams
+
+
+def sampling_metadata(params: list[SamplingParams], seeds: list[int], positions: list[int], vocab: int):
+    """A CUDA sampler holding ``params`` in rows 0.. and the metadata of the batch of all its rows."""
+    sampler = Sampler.for_params(params, seeds, vocab, device="cuda")
+    rows = torch.arange(len(params), device="cuda")
+    metadata = sampler.batch_metadata(rows, rows.cpu().numpy(), torch.tensor(positions, device="cuda"))
+    return sampler, metadata
 
 
 def time_us(fn: Callable[[], object], iters: int) -> float:
@@ -51,21 +59,22 @@ def sampler_cases(iters: int) -> None:
     num_rows, vocab = 256, 151936
     logits = torch.randn(num_rows, vocab, device="cuda") * 4
     seeds, positions = list(range(num_rows)), [1000 + row for row in range(num_rows)]
-    sampler = Sampler()
     for label, params in [
         ("temperature 0.6", SamplingParams(temperature=0.6)),
         ("greedy (torch argmax on both paths)", SamplingParams(temperature=0)),
         ("top-p 0.9", SamplingParams(temperature=0.6, top_p=0.9)),
         ("top-k 50", SamplingParams(temperature=0.6, top_k=50)),
+        ("repetition 1.1 + top-p 0.9", SamplingParams(temperature=0.6, top_p=0.9, repetition_penalty=1.1)),
     ]:
-        metadata = build_sampling_metadata([params] * num_rows, seeds, positions, vocab, device="cuda")
-        compare(f"sampler B={num_rows} V={vocab} {label}", lambda: sampler(logits, metadata), iters)
+        sampler, metadata = sampling_metadata([params] * num_rows, seeds, positions, vocab)
+        compare(f"sampler B={num_rows} V={vocab} {label}", lambda: sampler.sample_batch(logits, metadata), iters)
     # Language-model-like rows: a few likely tokens over a long tail (most noise is skipped).
     peaked = logits.clone()
     peaked[:, :8] += 30.0
-    metadata = build_sampling_metadata([SamplingParams(temperature=0.6, top_p=0.9)] * num_rows, seeds, positions,
-                                       vocab, device="cuda")
-    compare(f"sampler B={num_rows} V={vocab} top-p 0.9, peaked rows", lambda: sampler(peaked, metadata), iters)
+    sampler, metadata = sampling_metadata([SamplingParams(temperature=0.6, top_p=0.9)] * num_rows, seeds, positions,
+                                          vocab)
+    compare(f"sampler B={num_rows} V={vocab} top-p 0.9, peaked rows", lambda: sampler.sample_batch(peaked, metadata),
+            iters)
     search_sweep(logits, seeds, positions, iters)
     gumbel_sweep(seeds, positions, iters)
 
@@ -73,15 +82,15 @@ def sampler_cases(iters: int) -> None:
 def gumbel_sweep(seeds: list[int], positions: list[int], iters: int) -> None:
     """The Gumbel-max kernel alone under other launch shapes, on near-flat rows (a random-weight
     model's logits: every block draws noise) at decode batch sizes: picks the defaults."""
-    from weir.kernels import triton_sampler
+    from weir.sample import triton_sampler
 
     vocab = 151936
     print(f"Gumbel-max choice alone, near-flat rows, V={vocab} (defaults: {triton_sampler.GUMBEL_PROGRAMS_PER_SM} "
           f"programs per SM, block {triton_sampler.GUMBEL_BLOCK}, {triton_sampler.GUMBEL_WARPS} warps)")
     for num_rows in (256, 64, 8):
         logits = torch.randn(num_rows, vocab, device="cuda") * 0.1
-        metadata = build_sampling_metadata([SamplingParams(temperature=0.6)] * num_rows, seeds[:num_rows],
-                                           positions[:num_rows], vocab, device="cuda")
+        _, metadata = sampling_metadata([SamplingParams(temperature=0.6)] * num_rows, seeds[:num_rows],
+                                        positions[:num_rows], vocab)
         for per_sm, block, warps in [(2, 1024, 4), (4, 1024, 4), (8, 1024, 4), (16, 1024, 4), (8, 2048, 8),
                                      (16, 512, 4), (32, 512, 4), (8, 4096, 8)]:
             micros = time_us(lambda: triton_sampler.choose_tokens_triton(logits, metadata, per_sm, block, warps),
@@ -92,14 +101,14 @@ def gumbel_sweep(seeds: list[int], positions: list[int], iters: int) -> None:
 
 def search_sweep(logits: torch.Tensor, seeds: list[int], positions: list[int], iters: int) -> None:
     """The filter-threshold kernel alone under other (block, slots, warps): picks the defaults."""
-    from weir.kernels import triton_sample_filters as filters
+    from weir.sample import triton_sample_filters as filters
 
     num_rows, vocab = logits.shape
     print(f"filter thresholds alone, B={num_rows} V={vocab} (defaults: block {filters.SEARCH_BLOCK}, "
           f"slots {filters.SEARCH_SLOTS}, warps {filters.SEARCH_WARPS})")
     for label, params in [("top-p 0.9", SamplingParams(temperature=0.6, top_p=0.9)),
                           ("top-k 50", SamplingParams(temperature=0.6, top_k=50))]:
-        metadata = build_sampling_metadata([params] * num_rows, seeds, positions, vocab, device="cuda")
+        _, metadata = sampling_metadata([params] * num_rows, seeds, positions, vocab)
         for block, slots, warps in [(512, 8, 8), (256, 8, 4), (1024, 8, 8), (512, 16, 8), (256, 16, 4), (512, 4, 8)]:
             micros = time_us(lambda: filters.filter_thresholds_triton(logits, metadata, block, slots, warps), iters)
             print(f"  {label:<10} block {block:>4} slots {slots:>2} warps {warps:>2}: {micros:>9.1f} us", flush=True)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from engine_harness import assert_nothing_held, watch_engine
-from weir import SamplingParams
+from helpers_models import make_tiny_qwen3
+from weir import LLM, SamplingParams
 
 PROMPT = {"prompt_token_ids": [72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]}
 
@@ -184,3 +186,42 @@ def test_the_stop_token_or_string_is_left_out_of_the_text_unless_asked_for(tiny_
     with_stop = generate_one(tiny_llm, SamplingParams(**greedy, stop=[stop], include_stop_str_in_output=True))
     assert with_stop.text == full_text[:cut + len(stop)] and with_stop.stop_reason == stop
     assert generate_one(tiny_llm, SamplingParams(**greedy, stop=[stop])).text == full_text[:cut]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_steps_with_every_sampling_kind_never_synchronise(tmp_path):
+    """Penalties (the Triton penalty kernel over the sampler's per-row state), min_tokens bans,
+    logprobs and every filter in one running batch on CUDA, with requests admitted mid-run
+    (their rows staged and their penalty state reset): no step synchronises, all finish."""
+    llm = LLM(str(make_tiny_qwen3(tmp_path, with_tokenizer=True)), dtype="bfloat16", gpu_memory_utilization=0.3,
+              max_model_len=512)
+    engine = llm.engine
+    kinds = [
+        SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.3, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0, min_tokens=12, stop_token_ids=[5, 6], max_tokens=30),
+        SamplingParams(temperature=0.7, top_k=20, logprobs=3, max_tokens=30, ignore_eos=True, seed=4),
+        SamplingParams(min_p=0.1, frequency_penalty=0.5, presence_penalty=0.5, max_tokens=30, ignore_eos=True),
+    ]
+    rng = random.Random(3)
+
+    def add(index):
+        prompt = {"prompt_token_ids": [rng.randrange(256) for _ in range(rng.randrange(5, 60))]}
+        engine.add_request(str(index), prompt, kinds[index % len(kinds)])
+
+    for index in range(8):
+        add(index)
+    for _ in range(3):  # prefill and warm-up
+        engine.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any implicit synchronisation raises
+    try:
+        for step in range(16):
+            if step % 4 == 0:
+                add(100 + step)
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_nothing_held(llm)

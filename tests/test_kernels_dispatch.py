@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from test_kernels_input_prep import random_batch
+from weir.buffers import staged_write
 from weir.kernels import dispatch, kv_store
-from weir.runner import inputs, staged_write
+from weir.runner import inputs
 
 
 def test_cpu_tensors_never_reach_the_kernels(monkeypatch):

@@ -13,9 +13,9 @@ import importlib
 import pytest
 import torch
 
+from weir.buffers.staged_write import scatter_flat_torch
 from weir.kernels.dispatch import interpreted_module, triton_importable
 from weir.runner import inputs
-from weir.runner.staged_write import scatter_flat_torch
 
 pytestmark = pytest.mark.skipif(not triton_importable(), reason="Triton is not installed")
 NEEDS_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

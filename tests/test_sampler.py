@@ -2,22 +2,34 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from weir.sample import Sampler, build_sampling_metadata
+from weir.sample import Sampler
 from weir.sample import ops
 from weir.sampling_params import SamplingParams
 
 VOCAB = 64
 
 
-def sample(logits, params, seeds=None, positions=None, **kwargs):
+def all_rows(num_rows, device="cpu"):
+    """(idx_mapping, rows) of a batch holding sampler rows 0 .. num_rows - 1 in order."""
+    return torch.arange(num_rows, device=device), np.arange(num_rows)
+
+
+def sample(logits, params, seeds=None, positions=None, output_token_ids=None, **kwargs):
+    """Sample ``logits`` with row i holding ``params[i]``, through the runner's path."""
     num_rows = logits.shape[0]
     seeds = seeds if seeds is not None else list(range(num_rows))
     positions = positions if positions is not None else [0] * num_rows
-    metadata = build_sampling_metadata(params, seeds, positions, logits.shape[1], **kwargs)
-    return Sampler()(logits, metadata)
+    outputs = output_token_ids if output_token_ids is not None else [[] for _ in range(num_rows)]
+    sampler = Sampler.for_params(params, seeds, logits.shape[1], device=logits.device, output_token_ids=outputs,
+                                 **kwargs)
+    # As the scheduler decides: rows short of min_tokens have their stop tokens banned.
+    min_tokens = [row for row, (p, out) in enumerate(zip(params, outputs)) if len(out) < p.min_tokens]
+    return sampler.sample(logits, *all_rows(num_rows, logits.device), torch.tensor(positions, device=logits.device),
+                          min_tokens)
 
 
 def random_logits(num_rows, vocab=VOCAB, seed=0):
@@ -42,11 +54,12 @@ def test_top_k_one_is_greedy_even_with_ties_in_a_mixed_batch():
         out = sample(logits, params, positions=[position] * 6)
         assert out.sampled_token_ids[:5].tolist() == [10] * 5
     # Same result when the metadata says every row is random (no torch.where path).
-    metadata = build_sampling_metadata([SamplingParams(temperature=2.0)] * 6, list(range(6)), [0] * 6, VOCAB)
-    metadata.top_k = torch.ones(6, dtype=torch.int32)
+    sampler = Sampler.for_params([SamplingParams(temperature=2.0)] * 6, list(range(6)), VOCAB)
+    metadata = sampler.batch_metadata(*all_rows(6), torch.zeros(6, dtype=torch.int64))
+    metadata.top_k = torch.ones_like(metadata.top_k)
     metadata.no_top_k = False
     untied = random_logits(6, seed=3)
-    assert torch.equal(Sampler()(untied, metadata).sampled_token_ids, untied.argmax(dim=-1))
+    assert torch.equal(sampler.sample_batch(untied, metadata).sampled_token_ids, untied.argmax(dim=-1))
 
 
 def test_temperature_zero_ignores_filters():
@@ -166,13 +179,15 @@ def test_penalties_follow_the_formulas():
 
 def test_penalty_state_counts_outputs_and_marks_prompts_per_row():
     params = [SamplingParams(temperature=0.5, frequency_penalty=0.1)] * 3
-    metadata = build_sampling_metadata(params, [0, 1, 2], [0, 0, 0], 5, output_token_ids=[[1, 1, 4], [], [0]],
-                                       prompt_token_ids=[[2, 2], [3], []])
-    assert metadata.output_token_counts.tolist() == [[0, 2, 0, 0, 1], [0] * 5, [1, 0, 0, 0, 0]]
+    sampler = Sampler.for_params(params, [0, 1, 2], 5, output_token_ids=[[1, 1, 4], [], [0]],
+                                 prompt_token_ids=[[2, 2], [3], []])
+    metadata = sampler.batch_metadata(*all_rows(3), torch.zeros(3, dtype=torch.int64))
+    assert metadata.output_token_counts is sampler.output_token_counts
+    assert sampler.output_token_counts.tolist() == [[0, 2, 0, 0, 1], [0] * 5, [1, 0, 0, 0, 0]]
     assert metadata.prompt_token_mask.tolist() == [[False, False, True, False, False],
                                                    [False, False, False, True, False], [False] * 5]
-    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 5\)"):
-        build_sampling_metadata(params[:1], [0], [0], 5, output_token_ids=[[5]], prompt_token_ids=[[]])
+    with pytest.raises(ValueError, match=r"output token ids must lie in \[0, 5\)"):
+        Sampler.for_params(params[:1], [0], 5, output_token_ids=[[5]], prompt_token_ids=[[]])
 
 
 def test_penalties_change_what_the_sampler_picks():
@@ -202,7 +217,8 @@ def test_banned_tokens_are_never_sampled():
 
 def test_min_tokens_bans_respect_ignore_eos():
     params = [SamplingParams(min_tokens=3, stop_token_ids=[7], ignore_eos=True), SamplingParams(min_tokens=1)]
-    metadata = build_sampling_metadata(params, [0, 1], [0, 0], 16, eos_token_ids=[2])
+    sampler = Sampler.for_params(params, [0, 1], 16, eos_token_ids=[2])
+    metadata = sampler.batch_metadata(*all_rows(2), torch.zeros(2, dtype=torch.int64), min_tokens=[0, 1])
     rows, tokens = metadata.banned_token_ids
     assert sorted(zip(rows.tolist(), tokens.tolist())) == [(0, 7), (1, 2)]
 
@@ -237,8 +253,9 @@ def test_logprobs_of_bf16_logits_are_fp32_whatever_the_batch():
 
 
 def test_a_top_k_beyond_int32_is_clamped_to_the_vocabulary():
-    metadata = build_sampling_metadata([SamplingParams(top_k=2**40)], [0], [0], VOCAB)
-    assert metadata.top_k.tolist() == [VOCAB]
+    sampler = Sampler.for_params([SamplingParams(top_k=2**40)], [0], VOCAB)
+    metadata = sampler.batch_metadata(*all_rows(1), torch.zeros(1, dtype=torch.int64))
+    assert metadata.gathered().top_k.tolist() == [VOCAB]
 
 
 def test_uniform_noise_is_deterministic_and_strictly_inside_zero_one():
@@ -267,17 +284,20 @@ def test_cuda_sampler_never_synchronises_and_matches_the_cpu():
     params = [kinds[row % 4] for row in range(num_rows)]
     logits = random_logits(num_rows, vocab)
     host_lists = dict(
-        seeds=[row * 31 for row in range(num_rows)], positions=[row + 7 for row in range(num_rows)],
-        vocab_size=vocab, output_token_ids=[[1, 2, 2]] * num_rows, prompt_token_ids=[[3, 4]] * num_rows,
-        eos_token_ids=[0],
+        seeds=[row * 31 for row in range(num_rows)], vocab_size=vocab, output_token_ids=[[1, 2, 2]] * num_rows,
+        prompt_token_ids=[[3, 4]] * num_rows, eos_token_ids=[0],
     )
-    cpu_out = Sampler()(logits, build_sampling_metadata(params, device="cpu", **host_lists))
-    cuda_metadata = build_sampling_metadata(params, device="cuda", **host_lists)
-    cuda_logits = logits.cuda()
+    positions = torch.tensor([row + 7 for row in range(num_rows)], dtype=torch.int32)
+    min_tokens = [row for row in range(num_rows) if params[row].min_tokens > 3]  # 3 outputs so far
+    cpu_out = Sampler.for_params(params, device="cpu", **host_lists).sample(
+        logits, *all_rows(num_rows), positions, min_tokens)
+    cuda_sampler = Sampler.for_params(params, device="cuda", **host_lists)
+    cuda_logits, cuda_positions = logits.cuda(), positions.cuda()
+    idx_mapping, rows = all_rows(num_rows, "cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any implicit synchronisation raises
     try:
-        cuda_out = Sampler()(cuda_logits, cuda_metadata)
+        cuda_out = cuda_sampler.sample(cuda_logits, idx_mapping, rows, cuda_positions, min_tokens)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.equal(cuda_out.sampled_token_ids.cpu(), cpu_out.sampled_token_ids)

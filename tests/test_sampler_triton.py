@@ -1,21 +1,27 @@
-"""The Triton sampler (weir.kernels.triton_sampler) against the torch sampler, its oracle.
+"""The Triton sampler (weir.sample.triton_sampler, triton_sample_filters, triton_penalties)
+against the torch sampler, its oracle.
 
 Every ``check_*`` runs twice: on the CPU in Triton's interpreter (a subprocess, see
 helpers_triton) and compiled on CUDA (marked gpu). Samples must match the torch path row for
 row; a mismatch is tolerated only where the two best noisy scores are within float rounding,
-and the mismatch rate must stay tiny. Filter sets must equal the torch masks exactly.
+and the mismatch rate must stay tiny. Filter sets must equal the torch masks exactly. Batch
+rows sit at shuffled sampler rows of a larger sampler, so every kernel reads its parameters
+through ``idx_mapping``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import random
 
+import numpy as np
 import pytest
 import torch
 
 from helpers_triton import kernel_check_tests
 from weir.kernels.dispatch import forced_torch_ops
-from weir.sample import Sampler, build_sampling_metadata, ops
+from weir.sample import Sampler, ops
 from weir.sampling_params import SamplingParams
 
 KINDS = [
@@ -32,9 +38,15 @@ KINDS = [
 
 
 def _kernels():
-    from weir.kernels import triton_sampler  # imports triton: only inside a check
+    from weir.sample import triton_sampler  # imports triton: only inside a check
 
     return triton_sampler
+
+
+def _penalty_kernels():
+    from weir.sample import triton_penalties  # imports triton: only inside a check
+
+    return triton_penalties
 
 
 def _logits(num_rows, vocab, device, scale=3.0, seed=0):
@@ -42,15 +54,31 @@ def _logits(num_rows, vocab, device, scale=3.0, seed=0):
     return (torch.randn(num_rows, vocab, generator=generator) * scale).to(device)
 
 
-def _metadata(params, vocab, device, salt=0):
+def _shuffled_sampler(params, seeds, vocab, device, salt=0, spare_rows=3, **token_ids):
+    """A sampler of ``len(params) + spare_rows`` rows holding ``params[i]`` at row ``rows[i]``
+    (shuffled, some rows left empty); returns it with (idx_mapping, rows) of that batch."""
+    num_rows = len(params)
+    rows = random.Random(salt).sample(range(num_rows + spare_rows), num_rows)
+    sampler = Sampler(num_rows + spare_rows, vocab, device, pin_memory=False)
+    prompts = token_ids.get("prompt_token_ids", [[]] * num_rows)
+    outputs = token_ids.get("output_token_ids", [[]] * num_rows)
+    for row, p, seed, prompt, output in zip(rows, params, seeds, prompts, outputs):
+        sampler.add_request(row, p, seed, prompt, output, p.stop_token_ids)
+    sampler.apply_staged_writes()
+    return sampler, torch.tensor(rows, device=device), np.array(rows)
+
+
+def _metadata(params, vocab, device, salt=0, min_tokens=(), **token_ids):
     # Negative seeds, seeds past 2**32 and large positions all reach the hash.
     seeds = [(salt + 7919 * row) * 2**40 * (-1 if row % 3 == 0 else 1) + row for row in range(len(params))]
-    positions = [(salt + 37 * row) % 100000 for row in range(len(params))]
-    return build_sampling_metadata(params, seeds, positions, vocab, device=device)
+    positions = torch.tensor([(salt + 37 * row) % 100000 for row in range(len(params))], device=device)
+    sampler, idx_mapping, rows = _shuffled_sampler(params, seeds, vocab, device, salt, **token_ids)
+    return sampler.batch_metadata(idx_mapping, rows, positions, min_tokens)
 
 
 def _torch_filtered(logits, metadata):
     """The torch sampler's filtered, temperature-scaled logits (-inf where a filter drops)."""
+    metadata = metadata.gathered()
     filtered = ops.apply_temperature(logits, metadata.temperature)
     if not metadata.no_min_p:
         filtered = ops.apply_min_p(filtered, metadata.min_p)
@@ -60,7 +88,7 @@ def _torch_filtered(logits, metadata):
 
 def _torch_tokens(logits, metadata):
     with forced_torch_ops():
-        return Sampler().choose_tokens(logits, metadata)
+        return Sampler(1, logits.shape[1], logits.device, pin_memory=False).choose_tokens(logits, metadata)
 
 
 def _assert_same_samples(logits, metadata, max_mismatch_rate=0.002):
@@ -68,12 +96,13 @@ def _assert_same_samples(logits, metadata, max_mismatch_rate=0.002):
     ours = _kernels().choose_tokens_triton(logits, metadata).cpu()
     reference = _torch_tokens(logits, metadata).cpu()
     assert ours.dtype == torch.int64 and ours.shape == reference.shape
-    greedy = ((metadata.temperature == 0) | (metadata.top_k == 1)).cpu()
+    batch = metadata.gathered()
+    greedy = ((batch.temperature == 0) | (batch.top_k == 1)).cpu()
     assert torch.equal(ours[greedy], reference[greedy])  # greedy rows: identical, always
     mismatched = (ours != reference).nonzero().flatten().tolist()
     if mismatched:
         scores = (_torch_filtered(logits, metadata) + ops.gumbel_noise(
-            metadata.seeds, metadata.positions, logits.shape[1])).cpu()
+            batch.seeds, batch.positions, logits.shape[1])).cpu()
         for row in mismatched:
             ours_score, reference_score = scores[row, ours[row]], scores[row, reference[row]]
             assert torch.isfinite(ours_score), f"row {row}: sampled a filtered token {ours[row]}"
@@ -107,7 +136,7 @@ def check_filter_sets_equal_the_torch_masks(device):
     logits[::4, :10] = float("-inf")  # banned tokens
     metadata = _metadata(params, vocab, device)
     thresholds = _kernels().filter_thresholds_triton(logits, metadata)
-    scaled = ops.apply_temperature(logits, metadata.temperature)
+    scaled = ops.apply_temperature(logits, metadata.gathered().temperature)
     kept = scaled >= thresholds.unsqueeze(1)
     reference = torch.isfinite(_torch_filtered(logits, metadata))
     for row, row_params in enumerate(params):
@@ -121,7 +150,7 @@ def check_ties_at_the_boundary(device):
               SamplingParams(top_p=0.5), SamplingParams(top_p=0.9, top_k=50)]
     metadata = _metadata(params, vocab, device)
     thresholds = _kernels().filter_thresholds_triton(logits, metadata)
-    scaled = ops.apply_temperature(logits, metadata.temperature)
+    scaled = ops.apply_temperature(logits, metadata.gathered().temperature)
     kept = scaled >= thresholds.unsqueeze(1)
     reference = torch.isfinite(_torch_filtered(logits, metadata))
     # top-k keeps every token tied with the k-th largest, as the torch op does.
@@ -172,12 +201,37 @@ def check_banned_tokens_are_never_sampled(device):
     logits[:, 7] = 30.0  # by far the most likely token
     params = [SamplingParams(min_tokens=1, stop_token_ids=[7], top_p=0.9)] * 20
     params += [SamplingParams(min_tokens=1, stop_token_ids=[7], temperature=0)] * 20
-    metadata = build_sampling_metadata(params, list(range(40)), list(range(40)), vocab, device=device,
-                                       output_token_ids=[[]] * 40)
-    constrained = Sampler().apply_constraints(logits, metadata)
+    sampler, idx_mapping, rows = _shuffled_sampler(params, list(range(40)), vocab, device,
+                                                   output_token_ids=[[]] * 40)
+    metadata = sampler.batch_metadata(idx_mapping, rows, torch.arange(40, device=device), min_tokens=range(40))
+    constrained = sampler.apply_constraints(logits, metadata)
     tokens = _kernels().choose_tokens_triton(constrained, metadata)
     assert 7 not in tokens.tolist()
     assert torch.equal(tokens.cpu(), _torch_tokens(constrained, metadata).cpu())
+
+
+def check_penalties_match_torch(device):
+    vocab = 1500
+    penalties = [(1.3, 0.0, 0.0), (1.0, 0.5, 0.0), (1.0, 0.0, -0.7), (0.8, 0.2, 0.4), (1.0, 0.0, 0.0)]
+    params = [SamplingParams(temperature=0.7, repetition_penalty=r, frequency_penalty=f, presence_penalty=p)
+              for r, f, p in penalties] * 3
+    rng = random.Random(2)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(0, 50))] for _ in params]
+    outputs = [[rng.randrange(vocab) for _ in range(rng.randrange(0, 80))] for _ in params]  # repeats too
+    logits = _logits(len(params), vocab, device, seed=11)
+    logits[::4, :5] = float("-inf")  # banned tokens
+    metadata = _metadata(params, vocab, device, prompt_token_ids=prompts, output_token_ids=outputs)
+    assert not metadata.no_penalties
+    without_prompts = dataclasses.replace(metadata, prompt_token_mask=None)
+    for dtype in (torch.float32, torch.bfloat16):
+        for case in (metadata, without_prompts):
+            ours = _penalty_kernels().apply_penalties_triton(logits.to(dtype), case)
+            batch = case.gathered()
+            reference = ops.apply_penalties(logits.to(dtype).float(), batch.prompt_token_mask,
+                                            batch.output_token_counts, batch.repetition_penalty,
+                                            batch.frequency_penalty, batch.presence_penalty)
+            assert ours.dtype == torch.float32
+            assert torch.equal(ours.cpu(), reference.cpu()), (dtype, case.prompt_token_mask is None)
 
 
 CHECKS = [
@@ -189,6 +243,7 @@ CHECKS = [
     check_small_batches_split_the_vocabulary,
     check_peaked_rows_skip_hopeless_blocks,
     check_banned_tokens_are_never_sampled,
+    check_penalties_match_torch,
 ]
 
 test_kernels_interpreted_on_cpu, test_kernels_on_cuda = kernel_check_tests("test_sampler_triton", CHECKS)
@@ -200,13 +255,16 @@ def test_cuda_sampler_dispatches_to_triton_without_syncs():
     vocab = 151936
     params = [KINDS[row % len(KINDS)] for row in range(256)]
     logits = _logits(len(params), vocab, "cuda", scale=4.0, seed=9)
-    metadata = _metadata(params, vocab, "cuda")
+    seeds = list(range(len(params)))
+    sampler, idx_mapping, rows = _shuffled_sampler(params, seeds, vocab, "cuda", salt=9)
+    positions = torch.arange(len(params), dtype=torch.int32, device="cuda")  # int32, as the runner's
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any implicit synchronisation raises
     try:
-        sampled = Sampler()(logits, metadata).sampled_token_ids
+        sampled = sampler.sample(logits, idx_mapping, rows, positions).sampled_token_ids
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    metadata = sampler.batch_metadata(idx_mapping, rows, positions)
     assert torch.equal(sampled, _kernels().choose_tokens_triton(logits, metadata))
     assert os.environ.get("WEIR_DISABLE_TRITON") != "1"
     _assert_same_samples(logits, metadata)

@@ -52,15 +52,22 @@ def forced_torch_ops(forced: bool = True):
             os.environ[DISABLE_ENV] = previous
 
 
+def _module_path(name: str) -> str:
+    """``weir.kernels.<name>`` for a bare name; a dotted name is a full module path already."""
+    return name if "." in name else f"weir.kernels.{name}"
+
+
 @functools.cache
 def triton_module(name: str) -> ModuleType:
-    """A ``weir.kernels.triton_*`` module, imported on first use (never at Weir's import)."""
-    return importlib.import_module(f"weir.kernels.{name}")
+    """A Triton kernel module, imported on first use (never at Weir's import): a bare name is
+    ``weir.kernels.<name>``, a dotted one a full path (``weir.sample.triton_sampler``)."""
+    return importlib.import_module(_module_path(name))
 
 
 @functools.cache
 def interpreted_module(name: str) -> ModuleType:
-    """A private copy of ``weir.kernels.<name>`` whose kernels run in Triton's interpreter.
+    """A private copy of kernel module ``name`` (as ``triton_module`` names it) whose kernels
+    run in Triton's interpreter.
 
     For tests and debugging on the CPU (CPU tensors work). Triton picks interpreter or compiler
     when a kernel is decorated, so the copy is executed with ``TRITON_INTERPRET=1`` set just for
@@ -69,10 +76,12 @@ def interpreted_module(name: str) -> ModuleType:
     functions of ``triton.language.standard`` (``tl.zeros``, ``tl.cdiv``, ``tl.max``...), which
     stay compiled; a module that needs them is interpreted in a subprocess instead.
     """
-    spec = importlib.util.find_spec(f"weir.kernels.{name}")
+    path = _module_path(name)
+    spec = importlib.util.find_spec(path)
     if spec is None or spec.origin is None:
-        raise ValueError(f"no kernel module weir.kernels.{name}")
-    copy_spec = importlib.util.spec_from_file_location(f"weir.kernels._interpreted_{name}", spec.origin)
+        raise ValueError(f"no kernel module {path}")
+    package, _, module_name = path.rpartition(".")
+    copy_spec = importlib.util.spec_from_file_location(f"{package}._interpreted_{module_name}", spec.origin)
     module = importlib.util.module_from_spec(copy_spec)
     # Triton itself must be imported in its normal mode first: its own lazily imported parts
     # check, at their import, that the standard library matches the mode of the moment.

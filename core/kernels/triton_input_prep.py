@@ -1,6 +1,6 @@
 """Triton kernels that build one step's inputs from the persistent request table.
 
-The torch versions in ``weir.runner.inputs`` and ``weir.runner.staged_write`` are the oracles;
+The torch versions in ``weir.runner.inputs`` and ``weir.buffers.staged_write`` are the oracles;
 each ``*_triton`` function here has the same signature and results. Grids come from host
 integers only (tensor shapes and the ``num_tokens`` the runner passes), never from device
 values, so nothing here synchronises and every launch can be captured in a CUDA graph.

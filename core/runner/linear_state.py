@@ -16,7 +16,7 @@ import torch
 
 from weir.layer_cache import StateCacheSpec
 from weir.linear_attention import LayerState, LinearAttentionBackend
-from weir.runner.staged_write import host_to_device
+from weir.buffers.staged_write import host_to_device
 
 logger = logging.getLogger(__name__)
 GiB = 2**30

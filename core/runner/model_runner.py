@@ -43,9 +43,8 @@ from weir.runner.kv_sizing import size_kv_cache
 from weir.runner.layer_caches import LayerCaches
 from weir.runner.linear_state import LinearAttentionState
 from weir.runner.request_table import RequestTable
-from weir.runner.sampling import gather_sampling_metadata
 from weir.runner.warmup import compile_kernel_variants
-from weir.sample.sampler import Sampler
+from weir.sample import Sampler
 from weir.sampling_params import SamplingParams
 from weir.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from weir.weights import iter_checkpoint
@@ -80,7 +79,7 @@ class ModelRunner:
         self.moe_backend = choose_moe_backend()() if uses_moe else None
         logger.info("backends: attention %s%s", self.caches.describe_backends(),
                     f"; MoE {self.moe_backend.name}" if uses_moe else "")
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.scheduler.max_num_seqs, config.model.vocab_size, self.device, self.pin_memory)
         self.use_graphs = (platform.supports_graphs and self.caches.supports_cuda_graphs
                            and (self.moe_backend is None or self.moe_backend.supports_cuda_graphs)
                            and not config.enforce_eager and self.device.type == "cuda")
@@ -93,8 +92,7 @@ class ModelRunner:
         self.capture_sizes = default_capture_sizes(self.max_running_reqs) if self.use_graphs else []
         self.table = RequestTable(
             max_num_reqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
-            max_blocks_per_req=self.max_blocks_per_req, vocab_size=config.model.vocab_size,
-            device=self.device, pin_memory=self.pin_memory, num_block_groups=len(self.caches.groups),
+            max_blocks_per_req=self.max_blocks_per_req, device=self.device, pin_memory=self.pin_memory, num_block_groups=len(self.caches.groups),
             padding_state_slot=self.padding_state_slot,
         )
         self.inputs = InputBuffers(
@@ -191,12 +189,18 @@ class ModelRunner:
 
     def _update_states(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids | out.preempted_req_ids:
-            self.table.remove(req_id)
+            row = self.table.remove(req_id)
+            if row is not None:
+                self.sampler.remove_request(row)
         for new in out.new_reqs:
-            self.table.add(new)
+            row = self.table.add(new)
+            token_ids = new.prefill_token_ids
+            self.sampler.add_request(row, new.sampling_params, new.seed, token_ids[: new.num_prompt_tokens],
+                                     token_ids[new.num_prompt_tokens:], new.stop_token_ids)
         for req_id, block_ids in zip(out.cached_reqs.req_ids, out.cached_reqs.new_block_ids):
             self.table.append_blocks(req_id, block_ids)
         self.table.apply_staged_writes()
+        self.sampler.apply_staged_writes()
         if self.linear_state is not None:
             self.linear_state.zero_slots([new.state_slot for new in out.new_reqs], self.device, self.pin_memory)
 
@@ -287,13 +291,14 @@ class ModelRunner:
         table, buffers = self.table, self.inputs
         num_reqs = plan.num_reqs
         real_rows = buffers.idx_mapping[:num_reqs]
-        sampling_metadata = gather_sampling_metadata(table, plan.rows, real_rows, buffers.seq_lens[:num_reqs],
-                                                     plan.req_ids, out.min_tokens_req_ids)
-        sampled = self.sampler.sample(logits, sampling_metadata)
+        min_tokens = ([i for i, req_id in enumerate(plan.req_ids) if req_id in out.min_tokens_req_ids]
+                      if out.min_tokens_req_ids else [])
+        # seq_lens: the tokens before each row's sampled one.
+        sampled = self.sampler.sample(logits, real_rows, plan.rows, buffers.seq_lens[:num_reqs], min_tokens)
         query_start_loc = buffers.query_start_loc
         post_update(table.token_ids.gpu, table.num_tokens.gpu, table.num_computed_tokens.gpu,
-                    table.output_token_counts, real_rows, query_start_loc[1: num_reqs + 1] - query_start_loc[:num_reqs],
-                    sampled.sampled_token_ids)
+                    self.sampler.output_token_counts, real_rows,
+                    query_start_loc[1: num_reqs + 1] - query_start_loc[:num_reqs], sampled.sampled_token_ids)
         table.num_computed_host[plan.rows] += plan.query_lens
         return AsyncOutput(plan.req_ids, sampled.sampled_token_ids, sampled.logprob_token_ids,
                            sampled.logprobs, sampled.sampled_token_ranks, self.copy_stream)

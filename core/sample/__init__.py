@@ -1,6 +1,11 @@
-"""Sampling: per-step metadata, the torch reference ops and the sampler."""
+"""Sampling: the sampler and its per-row state, the per-step metadata and the torch reference ops.
 
-from weir.sample.metadata import SamplingMetadata, build_sampling_metadata
+The Triton kernels (``triton_sampler``, ``triton_sample_filters``, ``triton_penalties``) are
+imported only when a CUDA tensor reaches the sampler, so importing Weir never needs Triton.
+"""
+
+from weir.sample.metadata import SamplingMetadata
 from weir.sample.sampler import Sampler, SamplerOutput
+from weir.sample.states import SamplingStates, as_int64_seed
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "build_sampling_metadata"]
+__all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "SamplingStates", "as_int64_seed"]

@@ -3,9 +3,9 @@ and counter-based Gumbel noise.
 
 Each op takes ``[num_rows, vocab]`` fp32 logits plus per-row parameter tensors and returns new
 logits. None of them reads a device value on the host: a step never waits on the device here.
-They are the reference of the Triton sampler (``weir.kernels.triton_sampler`` and
-``triton_sample_filters``), which draws the same noise from the constants below, and the path
-on every device Triton does not serve.
+They are the reference of the Triton sampler (``weir.sample.triton_sampler``,
+``triton_sample_filters`` and ``triton_penalties``), which draws the same noise from the
+constants below, and the path on every device Triton does not serve.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 _MASK32 = 0xFFFFFFFF
 # The largest fp32 below 1.0: keeps the uniform strictly inside (0, 1) after rounding.
 LARGEST_BELOW_ONE = 1.0 - 2.0**-24
-# The noise hash's constants, shared with the Triton sampler (weir.kernels.triton_sampler),
+# The noise hash's constants, shared with the Triton sampler (weir.sample.triton_sampler),
 # which must draw the same numbers: murmur3's finaliser multipliers, then the salts and
 # multipliers that mix the seed's high half, the position and the token id into the key.
 FMIX_MULTIPLIER_1 = 0x85EBCA6B

@@ -22,10 +22,10 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from weir.buffers.staged_write import host_to_device
 from weir.linear_attention import GatedDeltaNetLayerSpec, LayerState, LinearAttentionBackend, LinearAttentionMetadata
 from weir.plugins.attention.gdn_triton_kernels import conv_decode_step, gdn_decode_step
 from weir.plugins.attention.gdn_triton_prefill import conv_prefill
-from weir.runner.staged_write import host_to_device
 
 # fla's chunk length; Weir's prefill conv tiles tokens by the same chunks, so one chunk table
 # serves both.

@@ -2,7 +2,8 @@
 
 Each filter keeps "every token at or above some value" of the temperature-scaled logits, so one
 threshold per row replaces the sort of the torch op (``ops.apply_top_k_top_p``, the oracle).
-``_filter_threshold_kernel`` runs one program per random row: a pass for the maximum (min-p's
+``_filter_threshold_kernel`` runs one program per batch row, reading its parameters at its
+sampler row (``idx_mapping[row]``); a random row takes a pass for the maximum (min-p's
 threshold is closed form), then for top-k and top-p a search on the value axis. Each search pass
 scores ``SEARCH_SLOTS`` evenly spaced thresholds at once (how many tokens, how much probability
 lie at or above each) and keeps the sub-interval that holds the answer, until it holds a single
@@ -118,7 +119,8 @@ def _search_threshold(row_ptr, vocab_size, temperature, floor, lowest, row_max, 
 @triton.jit
 def _filter_threshold_kernel(
     logits_ptr, logits_stride,  # [B, V] fp32
-    temperature_ptr, top_k_ptr, top_p_ptr, log_min_p_ptr,  # [B] each
+    idx_mapping_ptr,  # [B] int64: the sampler row of each batch row
+    temperature_ptr, top_k_ptr, top_p_ptr, log_min_p_ptr,  # [R] each, read at the sampler row
     threshold_ptr,  # [B] fp32 (out): keep scaled logits >= threshold
     vocab_size,
     HAS_MIN_P: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
@@ -126,9 +128,10 @@ def _filter_threshold_kernel(
 ):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * logits_stride
-    temperature = tl.load(temperature_ptr + row)
-    top_k = tl.load(top_k_ptr + row)
-    top_p = tl.load(top_p_ptr + row)
+    req = tl.load(idx_mapping_ptr + row)
+    temperature = tl.load(temperature_ptr + req)
+    top_k = tl.load(top_k_ptr + req)
+    top_p = tl.load(top_p_ptr + req)
     threshold = tl.full([], float("-inf"), tl.float32)
     if (temperature != 0.0) & (top_k != 1):  # greedy rows ignore every filter
         lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -140,7 +143,7 @@ def _filter_threshold_kernel(
         row_max = tl.max(lane_max, axis=0)
         lowest = tl.min(lane_lowest, axis=0)
         if HAS_MIN_P:
-            threshold = row_max + tl.load(log_min_p_ptr + row)  # ops.apply_min_p's threshold
+            threshold = row_max + tl.load(log_min_p_ptr + req)  # ops.apply_min_p's threshold
         if HAS_TOP_K:
             if (top_k > 0) & (top_k < vocab_size):
                 threshold = _search_threshold(row_ptr, vocab_size, temperature, threshold, lowest, row_max,
@@ -168,11 +171,10 @@ def filter_thresholds_triton(
         return None
     num_rows, vocab_size = logits.shape
     thresholds = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
-    # torch's log, not Triton's: the min-p threshold must round as ops.apply_min_p's does.
-    log_min_p = metadata.min_p if metadata.no_min_p else torch.log(metadata.min_p)
+    # log_min_p is torch's log, not Triton's: the min-p threshold must round as ops.apply_min_p's.
     _filter_threshold_kernel[(num_rows,)](
-        logits, logits.stride(0),
-        metadata.temperature, metadata.top_k, metadata.top_p, log_min_p,
+        logits, logits.stride(0), metadata.idx_mapping,
+        metadata.temperature, metadata.top_k, metadata.top_p, metadata.log_min_p,
         thresholds, vocab_size,
         HAS_MIN_P=not metadata.no_min_p, HAS_TOP_K=not metadata.no_top_k, HAS_TOP_P=not metadata.no_top_p,
         NUM_SLOTS=num_slots, BLOCK=block, MAX_PASSES=MAX_SEARCH_PASSES, num_warps=num_warps,

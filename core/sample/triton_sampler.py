@@ -1,11 +1,12 @@
 """Triton token choice of the sampler: one fused Gumbel-max pass, no [B, V] temporaries.
 
-The torch sampler (``weir.sample``) is the oracle. ``_gumbel_argmax_kernel`` computes, per row
-(split over the vocabulary when the batch is small), the argmax of ``logits / temperature +
+The torch sampler (``weir.sample``) is the oracle. ``_gumbel_argmax_kernel`` computes, per batch
+row (split over the vocabulary when the batch is small), the argmax of ``logits / temperature +
 gumbel(seed, position, token)`` over the tokens at or above the row's filter threshold
-(``weir.kernels.triton_sample_filters``), with the noise hash of ``ops.uniform_noise`` computed
-in registers. Greedy rows (temperature 0 or top-k 1) take the plain argmax of the raw logits
-in the same launch. Ties resolve to the lowest token id, as ``torch.argmax``.
+(``weir.sample.triton_sample_filters``), with the noise hash of ``ops.uniform_noise`` computed
+in registers. Each batch row reads its parameters at its sampler row, ``idx_mapping[row]``.
+Greedy rows (temperature 0 or top-k 1) take the plain argmax of the raw logits in the same
+launch. Ties resolve to the lowest token id, as ``torch.argmax``.
 
 Division is IEEE (``div_rn``) and ``tl.log`` is libdevice's, as torch's CUDA kernels use, so
 scores should equal torch's on CUDA bit for bit. Grids come from tensor shapes only.
@@ -17,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from weir.kernels.triton_sample_filters import filter_thresholds_triton
 from weir.sample import ops
 from weir.sample.metadata import SamplingMetadata
+from weir.sample.triton_sample_filters import filter_thresholds_triton
 
 FMIX_MULTIPLIER_1: tl.constexpr = tl.constexpr(ops.FMIX_MULTIPLIER_1)
 FMIX_MULTIPLIER_2: tl.constexpr = tl.constexpr(ops.FMIX_MULTIPLIER_2)
@@ -71,7 +72,9 @@ def _gumbel_noise(row_key, token_ids):
 @triton.jit
 def _gumbel_argmax_kernel(
     logits_ptr, logits_stride,  # [B, V] fp32
-    temperature_ptr, top_k_ptr, seeds_ptr, positions_ptr,  # [B] each
+    idx_mapping_ptr,  # [B] int64: the sampler row of each batch row
+    temperature_ptr, top_k_ptr, seeds_ptr,  # [R] each, read at the sampler row
+    positions_ptr,  # [B]
     threshold_ptr,  # [B] fp32, read when HAS_THRESHOLD
     best_score_ptr, best_token_ptr,  # [B, num_splits] fp32 / int64 (out)
     vocab_size, tokens_per_split,
@@ -81,9 +84,10 @@ def _gumbel_argmax_kernel(
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
     row_ptr = logits_ptr + row.to(tl.int64) * logits_stride
-    temperature = tl.load(temperature_ptr + row)
-    greedy = (temperature == 0.0) | (tl.load(top_k_ptr + row) == 1)
-    row_key = _noise_row_key(tl.load(seeds_ptr + row), tl.load(positions_ptr + row))
+    req = tl.load(idx_mapping_ptr + row)
+    temperature = tl.load(temperature_ptr + req)
+    greedy = (temperature == 0.0) | (tl.load(top_k_ptr + req) == 1)
+    row_key = _noise_row_key(tl.load(seeds_ptr + req), tl.load(positions_ptr + row))
     threshold = tl.full([], float("-inf"), tl.float32)
     if HAS_THRESHOLD:
         threshold = tl.load(threshold_ptr + row)
@@ -150,7 +154,7 @@ def choose_tokens_triton(
     best_scores = torch.empty(num_rows, num_splits, dtype=torch.float32, device=logits.device)  # per split
     best_tokens = torch.empty(num_rows, num_splits, dtype=torch.int64, device=logits.device)
     _gumbel_argmax_kernel[(num_rows, num_splits)](
-        logits, logits.stride(0),
+        logits, logits.stride(0), metadata.idx_mapping,
         metadata.temperature, metadata.top_k, metadata.seeds, metadata.positions,
         thresholds if thresholds is not None else metadata.temperature,
         best_scores, best_tokens, vocab_size, tokens_per_split,
