@@ -7,10 +7,11 @@
 
 ``check_model`` serves prompts of several lengths through ``weir.LLM`` (greedy, with the chosen
 tokens' logprobs) and compares them with transformers' own model run in a subprocess
-(``transformers_greedy``). The backend checks feed the backend and the reference (``weir.plugins.moe_backends.torch_ref`` /
-``weir.plugins.attention.gdn_torch``) the same random inputs over the cases the engine produces
-(shared experts; prefill, chunked and mixed steps, decodes, a CUDA-graph padding request on the
-padding slot) and compares outputs and state slots. Tolerances: elementwise 1e-4 (relative, and
+(``transformers_greedy``). The backend checks feed the backend and the reference
+(``weir.plugins.moe_backends.torch_ref`` / ``weir.plugins.attention.gdn_torch``) the same random
+inputs over the cases the engine produces (every routing method of ``weir.moe.Routing``, shared
+experts gated and not; prefill, chunked and mixed steps, decodes, a CUDA-graph padding request
+on the padding slot) and compares outputs and state slots. Tolerances: elementwise 1e-4 (relative, and
 absolute times the largest value) for float32; for 16-bit dtypes, where fast kernels round and
 sum in other orders, 2% relative error in norm.
 """
@@ -22,12 +23,12 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from weir.linear_attention import GatedDeltaNetLayerSpec, LinearAttentionBackend, LinearAttentionMetadata
-from weir.moe import MoEBackend
+from weir.moe import MoEBackend, Routing
 
 # transformers swaps in fla's Triton kernels for Gated DeltaNet (and Dao's conv / mamba kernels)
 # whenever they import: the reference would then be those kernels, and on CPU tensors they fail.
@@ -58,15 +59,39 @@ with torch.no_grad():
 torch.save(results, sys.argv[2])
 """.format(blocked=_REFERENCE_BLOCKED)
 
-# (tokens, routed experts, top_k, renormalize, shared experts, activation): decode-size batches,
-# and one of ~100 rows per expert, where fused kernels switch to their prefill tiles.
+
+class MoECase(NamedTuple):
+    """One layer call of ``check_moe_backend``: shared experts follow the routed ones, weighted by
+    ``sigmoid(gate logit)`` when ``shared_gated`` (Qwen3-Next) or by 1 (DeepSeek)."""
+
+    num_tokens: int
+    routing: Routing
+    num_shared: int
+    shared_gated: bool
+    activation: str
+
+
+# Every routing method with and without shared experts; decode-size batches, and ones of ~40-100
+# rows per expert, where fused kernels switch to their prefill tiles.
 MOE_CASES = (
-    (1, 8, 2, True, 0, "silu"),
-    (7, 8, 2, False, 1, "silu"),
-    (33, 16, 4, True, 1, "silu"),
-    (5, 4, 4, True, 0, "gelu"),
-    (400, 8, 2, True, 1, "silu"),
+    MoECase(1, Routing.softmax_top_k(8, 2, renormalize=True), 0, False, "silu"),
+    MoECase(7, Routing.softmax_top_k(8, 2, renormalize=False), 1, True, "silu"),
+    MoECase(33, Routing.softmax_top_k(16, 4, renormalize=True), 1, True, "silu"),
+    MoECase(5, Routing.softmax_top_k(4, 4, renormalize=True), 0, False, "gelu"),
+    MoECase(400, Routing.softmax_top_k(8, 2, renormalize=True), 1, True, "silu"),
+    MoECase(9, Routing.top_k_softmax(8, 2), 0, False, "silu"),
+    MoECase(19, Routing.top_k_softmax(6, 3), 1, False, "gelu_pytorch_tanh"),
+    MoECase(150, Routing.top_k_softmax(8, 2), 0, False, "silu"),
+    # DeepSeek-V3 shaped (groups, renormalised, scaled, one ungated shared expert), then Kimi
+    # Linear shaped (one group), then a prefill-size batch with two shared experts.
+    MoECase(13, Routing.sigmoid_grouped_top_k(16, 4, num_groups=4, top_k_groups=2, renormalize=True,
+                                              routed_scaling_factor=2.5), 1, False, "silu"),
+    MoECase(6, Routing.sigmoid_grouped_top_k(8, 3, num_groups=1, top_k_groups=1, renormalize=False,
+                                             routed_scaling_factor=1.5), 0, False, "silu"),
+    MoECase(300, Routing.sigmoid_grouped_top_k(32, 4, num_groups=8, top_k_groups=3, renormalize=True,
+                                               routed_scaling_factor=2.0), 2, False, "silu"),
 )
+
 GDN_LAYERS = (
     GatedDeltaNetLayerSpec(layer_idx=0, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16, conv_kernel=4),
     # Non-power-of-two head dims, one q/k head for three value heads, a 3-tap conv.
@@ -141,33 +166,38 @@ def check_model(model_path: str | Path, prompts: list[list[int]] | None = None, 
 
 def check_moe_backend(backend: MoEBackend, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                       seed: int = 0) -> None:
-    """``backend.forward`` against the torch reference on routed-only and shared-expert layers."""
+    """``backend.forward`` against the torch reference over ``MOE_CASES``: every routing method,
+    routed-only and shared-expert layers. Router logits are distinct within each row (a tie at
+    the top-k boundary may go either way, ``weir.moe.Routing``); the correction bias is fp32."""
     from weir.plugins.moe_backends.torch_ref import TorchMoEBackend
 
     reference = TorchMoEBackend()
     generator = torch.Generator().manual_seed(seed)
     for case in MOE_CASES:
-        num_tokens, num_routed, top_k, renormalize, num_shared, activation = case
+        num_routed, num_shared = case.routing.num_experts, case.num_shared
         num_experts, hidden_size, intermediate = num_routed + num_shared, 32, 24
 
         def randn(*shape, scale=1.0):
             return (torch.randn(*shape, generator=generator) * scale).to(device=device, dtype=dtype)
 
-        hidden = randn(num_tokens, hidden_size)
+        hidden = randn(case.num_tokens, hidden_size)
         # Column slices of one wider output, as a model's merged router GEMM hands them over.
-        router_output = randn(num_tokens, num_routed + num_shared + 3)
+        router_width = num_experts + 3
+        ranks = torch.argsort(torch.rand(case.num_tokens, router_width, generator=generator), dim=1)
+        router_output = (ranks * (6 / router_width) - 3).to(device=device, dtype=dtype)  # distinct in [-3, 3)
         router_logits = router_output[:, :num_routed]
         w_gate_up = randn(num_experts, 2 * intermediate, hidden_size, scale=hidden_size ** -0.5)
         w_down = randn(num_experts, hidden_size, intermediate, scale=intermediate ** -0.5)
-        shared = {}
-        if num_shared:
-            shared = dict(num_shared_experts=num_shared,
-                          shared_gate_logits=router_output[:, num_routed:num_routed + num_shared])
-        arguments = (hidden, router_logits, w_gate_up, w_down, top_k, renormalize, activation)
-        actual = backend.forward(*arguments, **shared)
-        expected = reference.forward(*arguments, **shared)
-        _assert_close(actual, expected, dtype, f"MoE backend {backend.name!r}, case (tokens, experts, top_k, "
-                                        f"renormalize, shared, activation) = {case}")
+        options: dict[str, Any] = dict(routing=case.routing, activation=case.activation,
+                                       num_shared_experts=num_shared)
+        if case.shared_gated:
+            options["shared_gate_logits"] = router_output[:, num_routed:num_routed + num_shared]
+        if case.routing.uses_correction_bias:
+            # As large as the sigmoid scores' spread, so that it changes which experts are chosen.
+            options["correction_bias"] = (torch.randn(num_routed, generator=generator) * 0.5).to(device)
+        actual = backend.forward(hidden, router_logits, w_gate_up, w_down, **options)
+        expected = reference.forward(hidden, router_logits, w_gate_up, w_down, **options)
+        _assert_close(actual, expected, dtype, f"MoE backend {backend.name!r}, {case}")
 
 
 def check_linear_attention_backend(

@@ -20,12 +20,13 @@ from collections.abc import Callable
 
 import torch
 
-from weir.moe import softmax_top_k
+from weir.moe import Routing, softmax_top_k
 from weir.plugins.moe_backends.torch_ref import TorchMoEBackend
 from weir.plugins.moe_backends.triton_fused import TritonMoEBackend
 from weir.plugins.moe_backends.triton_fused_kernels import GemmTiles, MoETiles, default_moe_tiles
 
 NUM_EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 512, 10, 2048, 512
+ROUTING = Routing.softmax_top_k(NUM_EXPERTS, TOP_K, renormalize=True)
 EXPERT_BYTES = 3 * HIDDEN * INTERMEDIATE * 2  # gate, up and down rows of one bf16 expert
 SWEEP_GEMMS = [  # (gate_up, down) pairs; each is tried with every block_m the batch can fill
     (GemmTiles(32, 128, 4, 4), GemmTiles(64, 128, 4, 4)),
@@ -131,15 +132,15 @@ def shared_expert_ways(num_tokens: int, weights, iters: int) -> None:
 
     def separate():
         logits = hidden @ router.T  # [T, E + 1]
-        routed = backend.forward(hidden, logits[:, :NUM_EXPERTS], *weights, TOP_K, True)
+        routed = backend.forward(hidden, logits[:, :NUM_EXPERTS], *weights, ROUTING)
         gate, up = (hidden @ shared_gate_up.T).chunk(2, dim=-1)
         shared = (F.silu(gate) * up) @ shared_down.T
         return routed + torch.sigmoid(logits[:, NUM_EXPERTS:]) * shared
 
     def fused():
         logits = hidden @ router.T
-        return backend.forward(hidden, logits[:, :NUM_EXPERTS], *with_shared, TOP_K, True, "silu", 1,
-                               logits[:, NUM_EXPERTS:])
+        return backend.forward(hidden, logits[:, :NUM_EXPERTS], *with_shared, ROUTING, num_shared_experts=1,
+                               shared_gate_logits=logits[:, NUM_EXPERTS:])
 
     separate_ms, fused_ms = (time_ms(fn, iters, graph=True) for fn in (separate, fused))
     error = (fused().float() - separate().float()).abs().max().item() / separate().float().abs().max().item()

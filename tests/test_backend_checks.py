@@ -3,9 +3,12 @@ each shown failing a wrong backend (``test_example_backends`` shows them passing
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from weir.moe import ROUTING_METHODS, SOFTMAX_TOP_K, Routing
 from weir.plugins.attention.gdn_torch import TorchGDNBackend
 from weir.plugins.moe_backends.torch_ref import TorchMoEBackend
 from weir.testing import check_linear_attention_backend, check_moe_backend
@@ -14,9 +17,9 @@ from weir.testing import check_linear_attention_backend, check_moe_backend
 class _DropsSharedExperts(TorchMoEBackend):
     name = "drops_shared"
 
-    def route(self, router_logits, top_k, renormalize, num_shared_experts=0, shared_gate_logits=None):
-        weights, ids = super().route(router_logits, top_k, renormalize, num_shared_experts, shared_gate_logits)
-        weights[:, top_k:] = 0
+    def route(self, router_logits, routing, correction_bias=None, num_shared_experts=0, shared_gate_logits=None):
+        weights, ids = super().route(router_logits, routing, correction_bias, num_shared_experts, shared_gate_logits)
+        weights[:, routing.top_k:] = 0
         return weights, ids
 
 
@@ -38,14 +41,70 @@ class _OneColumnShort(TorchMoEBackend):
         return super().experts(*args, **kwargs)[:, :-1]
 
 
+class _SoftmaxForEveryMethod(TorchMoEBackend):
+    """Knows one routing: softmax over every expert, then top-k (renormalised, which is also
+    top_k_softmax's result, for the other methods)."""
+
+    name = "softmax_only"
+
+    def route(self, router_logits, routing, correction_bias=None, *args):
+        renormalize = routing.renormalize or routing.method != SOFTMAX_TOP_K
+        softmax = Routing.softmax_top_k(routing.num_experts, routing.top_k, renormalize)
+        return super().route(router_logits, softmax, None, *args)
+
+
+class _IgnoresCorrectionBias(TorchMoEBackend):
+    name = "no_bias"
+
+    def route(self, router_logits, routing, correction_bias=None, *args):
+        return super().route(router_logits, routing, None if correction_bias is None else correction_bias * 0, *args)
+
+
+class _IgnoresExpertGroups(TorchMoEBackend):
+    name = "no_groups"
+
+    def route(self, router_logits, routing, *args):
+        if routing.uses_correction_bias:
+            routing = dataclasses.replace(routing, num_groups=1, top_k_groups=1)
+        return super().route(router_logits, routing, *args)
+
+
+class _ScalesSharedExperts(TorchMoEBackend):
+    """Multiplies every slot by the routed scaling factor, the shared experts' too."""
+
+    name = "scales_shared"
+
+    def route(self, router_logits, routing, *args):
+        weights, ids = super().route(router_logits, routing, *args)
+        weights[:, routing.top_k:] *= routing.routed_scaling_factor
+        return weights, ids
+
+
 @pytest.mark.parametrize("backend, message", [
-    (_DropsSharedExperts(), r"'drops_shared', case .* = \(7, 8, 2, False, 1, 'silu'\): Tensor-likes are not close"),
-    (_PackedRouterRows(), r"'packed_rows', case .* = \(7, 8, 2, False, 1, 'silu'\)"),
-    (_OneColumnShort(), r"'short', case .*: got torch.float32 \(1, 31\), expected torch.float32 \(1, 32\)"),
+    (_DropsSharedExperts(), r"'drops_shared', MoECase\(num_tokens=7, .*num_shared=1, shared_gated=True, "
+                            r"activation='silu'\): Tensor-likes are not close"),
+    (_PackedRouterRows(), r"'packed_rows', MoECase\(num_tokens=7, routing=Routing\(method='softmax_top_k'"),
+    (_OneColumnShort(), r"'short', MoECase\(num_tokens=1, .*: got torch.float32 \(1, 31\), expected torch.float32 "
+                        r"\(1, 32\)"),
+    # Passes the softmax and top-k-softmax cases, fails the first sigmoid one.
+    (_SoftmaxForEveryMethod(), r"'softmax_only', MoECase\(num_tokens=13, routing=Routing\(method='sigmoid_grouped"),
+    (_IgnoresCorrectionBias(), r"'no_bias', MoECase\(num_tokens=13, routing=Routing\(method='sigmoid_grouped"),
+    (_IgnoresExpertGroups(), r"'no_groups', MoECase\(num_tokens=13, routing=Routing\(method='sigmoid_grouped"),
+    (_ScalesSharedExperts(), r"'scales_shared', MoECase\(num_tokens=13, routing=Routing\(method='sigmoid_grouped"),
 ])
 def test_a_wrong_moe_backend_fails_naming_the_case(backend, message):
     with pytest.raises(AssertionError, match=message):
         check_moe_backend(backend)
+
+
+def test_the_moe_check_covers_every_routing_method_with_and_without_shared_experts():
+    from weir.testing import MOE_CASES
+
+    for method in ROUTING_METHODS:
+        cases = [case for case in MOE_CASES if case.routing.method == method]
+        assert {case.num_shared > 0 for case in cases} == {False, True}, method
+    assert any(case.shared_gated for case in MOE_CASES) and any(
+        case.num_shared and not case.shared_gated for case in MOE_CASES)
 
 
 class _RowStrideBlind(TorchGDNBackend):

@@ -155,11 +155,12 @@ class _TinyMoE(nn.Module):
     def __init__(self, num_shared_experts: int = 0):
         super().__init__()
         from weir.layers.moe import FusedExperts
+        from weir.moe import Routing
 
         self.dense = nn.Linear(4, 4, bias=False)
         self.experts = FusedExperts(num_experts=8, hidden_size=4, intermediate_size=2,
-                                    num_shared_experts=num_shared_experts)
-        self.top_k = 2
+                                    num_shared_experts=num_shared_experts,
+                                    routing=Routing.softmax_top_k(8, 2, renormalize=True))
 
 
 def test_decode_weight_bytes_count_only_the_experts_a_step_reaches():

@@ -14,11 +14,18 @@ import pytest
 import torch
 
 from helpers_triton import kernel_check_tests
-from weir.moe import softmax_top_k
+from weir.moe import Routing, route_reference, softmax_top_k
 from weir.plugins.moe_backends.torch_ref import TorchMoEBackend
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 NUM_EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 8, 2, 64, 32
+ROUTINGS = (  # one of each method over NUM_EXPERTS
+    Routing.softmax_top_k(NUM_EXPERTS, TOP_K, renormalize=True),
+    Routing.softmax_top_k(NUM_EXPERTS, TOP_K, renormalize=False),
+    Routing.top_k_softmax(NUM_EXPERTS, TOP_K),
+    Routing.sigmoid_grouped_top_k(NUM_EXPERTS, TOP_K, num_groups=4, top_k_groups=2, renormalize=True,
+                                  routed_scaling_factor=2.5),
+)
 
 
 def _kernels():
@@ -98,38 +105,50 @@ def check_alignment(device):
                 raise AssertionError(f"{name}, block_m {block_m}") from error
 
 
+def _bias_for(routing, device, seed):
+    if not routing.uses_correction_bias:
+        return None
+    return _randn(routing.num_experts, device=device, seed=seed) * 0.5
+
+
 def check_matches_torch(device):
     w_gate_up, w_down = _moe_weights(NUM_EXPERTS, HIDDEN, INTERMEDIATE, device)
-    for num_tokens, renormalize in ((1, True), (5, False), (33, True)):
-        hidden = _randn(num_tokens, HIDDEN, device=device, seed=num_tokens)
-        router_logits = _randn(num_tokens, NUM_EXPERTS, device=device, seed=100 + num_tokens)
-        expected = TorchMoEBackend().forward(hidden, router_logits, w_gate_up, w_down, TOP_K, renormalize)
-        actual = _backend().forward(hidden, router_logits, w_gate_up, w_down, TOP_K, renormalize)
-        _assert_matches_reference(actual, expected)
+    for routing in ROUTINGS:
+        bias = _bias_for(routing, device, seed=50)
+        for num_tokens in (1, 5, 33):
+            hidden = _randn(num_tokens, HIDDEN, device=device, seed=num_tokens)
+            router_logits = _randn(num_tokens, NUM_EXPERTS, device=device, seed=100 + num_tokens)
+            args = (hidden, router_logits, w_gate_up, w_down, routing)
+            expected = TorchMoEBackend().forward(*args, correction_bias=bias)
+            actual = _backend().forward(*args, correction_bias=bias)
+            _assert_matches_reference(actual, expected)
 
 
 def check_shared_experts_match_torch(device):
-    # One gated shared expert after the routed ones (Qwen3-Next), then two ungated ones; the gate
-    # logits are a strided column of a wider router output, as the model passes them.
-    for num_shared, gated in ((1, True), (2, False)):
-        w_gate_up, w_down = _moe_weights(NUM_EXPERTS + num_shared, HIDDEN, INTERMEDIATE, device, seed=20)
-        for num_tokens in (1, 19):
-            hidden = _randn(num_tokens, HIDDEN, device=device, seed=num_tokens)
-            logits = _randn(num_tokens, NUM_EXPERTS + num_shared, device=device, seed=21)
-            router_logits, gate_logits = logits[:, :NUM_EXPERTS], (logits[:, NUM_EXPERTS:] if gated else None)
-            args = (hidden, router_logits, w_gate_up, w_down, TOP_K, True, "silu", num_shared, gate_logits)
-            expected = TorchMoEBackend().forward(*args)
-            _assert_matches_reference(_backend().forward(*args), expected)
-            # The same as routed experts plus each shared expert's (gated) MLP, written out.
-            routed = TorchMoEBackend().forward(hidden, router_logits, w_gate_up[:NUM_EXPERTS],
-                                               w_down[:NUM_EXPERTS], TOP_K, True)
-            for index in range(num_shared):
-                expert = NUM_EXPERTS + index
-                gate, up = (hidden @ w_gate_up[expert].T).chunk(2, dim=-1)
-                mlp = (torch.nn.functional.silu(gate) * up) @ w_down[expert].T
-                scale = torch.sigmoid(gate_logits[:, index:index + 1]) if gated else 1.0
-                routed = routed + scale * mlp
-            _assert_matches_reference(expected, routed)
+    # One gated shared expert after the routed ones (Qwen3-Next), then two ungated ones (DeepSeek
+    # has one); the gate logits are a strided column of a wider router output, as the model
+    # passes them. Every routing method fills the slots before the shared ones.
+    for routing in ROUTINGS:
+        bias = _bias_for(routing, device, seed=51)
+        for num_shared, gated in ((1, True), (2, False)):
+            w_gate_up, w_down = _moe_weights(NUM_EXPERTS + num_shared, HIDDEN, INTERMEDIATE, device, seed=20)
+            for num_tokens in (1, 19):
+                hidden = _randn(num_tokens, HIDDEN, device=device, seed=num_tokens)
+                logits = _randn(num_tokens, NUM_EXPERTS + num_shared, device=device, seed=21)
+                router_logits, gate_logits = logits[:, :NUM_EXPERTS], (logits[:, NUM_EXPERTS:] if gated else None)
+                args = (hidden, router_logits, w_gate_up, w_down, routing, "silu", bias, num_shared, gate_logits)
+                expected = TorchMoEBackend().forward(*args)
+                _assert_matches_reference(_backend().forward(*args), expected)
+                # The same as routed experts plus each shared expert's (gated) MLP, written out.
+                routed = TorchMoEBackend().forward(hidden, router_logits, w_gate_up[:NUM_EXPERTS],
+                                                   w_down[:NUM_EXPERTS], routing, correction_bias=bias)
+                for index in range(num_shared):
+                    expert = NUM_EXPERTS + index
+                    gate, up = (hidden @ w_gate_up[expert].T).chunk(2, dim=-1)
+                    mlp = (torch.nn.functional.silu(gate) * up) @ w_down[expert].T
+                    scale = torch.sigmoid(gate_logits[:, index:index + 1]) if gated else 1.0
+                    routed = routed + scale * mlp
+                _assert_matches_reference(expected, routed)
 
 
 def check_one_expert_takes_every_token(device):
@@ -152,13 +171,29 @@ def check_ragged_shapes_strides_and_tiles(device):
     w_down = (_randn(num_experts, intermediate, hidden_size, device=device, seed=8) * 0.2).transpose(1, 2)
     hidden = _randn(21, hidden_size + 5, device=device, seed=9)[:, 5:]
     router_logits = _randn(21, num_experts, device=device, seed=10)
-    expected = TorchMoEBackend().forward(hidden, router_logits, w_gate_up, w_down, top_k, False, "gelu")
+    routing = Routing.softmax_top_k(num_experts, top_k, renormalize=False)
+    expected = TorchMoEBackend().forward(hidden, router_logits, w_gate_up, w_down, routing, "gelu")
     for tiles in (MoETiles(16, GemmTiles(32, 32, 4, 2), GemmTiles(32, 32, 4, 2)),
                   MoETiles(32, GemmTiles(16, 16, 4, 2), GemmTiles(64, 16, 4, 2)),
                   MoETiles(64, GemmTiles(32, 64, 4, 2), GemmTiles(16, 32, 4, 2)),
                   MoETiles(128, GemmTiles(32, 32, 8, 2), GemmTiles(64, 32, 8, 2))):
-        actual = _backend(tiles).forward(hidden, router_logits, w_gate_up, w_down, top_k, False, "gelu")
+        actual = _backend(tiles).forward(hidden, router_logits, w_gate_up, w_down, routing, "gelu")
         _assert_matches_reference(actual, expected)
+
+
+def check_every_activation_matches_torch(device):
+    # The activation table's names, aliases included, each reach the kernel's own version.
+    from weir.moe import ACTIVATIONS
+
+    w_gate_up, w_down = _moe_weights(NUM_EXPERTS, HIDDEN, INTERMEDIATE, device, seed=30)
+    hidden = _randn(9, HIDDEN, device=device, seed=31) * 2  # wide enough for the forms to differ
+    router_logits = _randn(9, NUM_EXPERTS, device=device, seed=32)
+    outputs = {}
+    for activation in ACTIVATIONS:
+        args = (hidden, router_logits, w_gate_up, w_down, ROUTINGS[0], activation)
+        outputs[activation] = _backend().forward(*args)
+        _assert_matches_reference(outputs[activation], TorchMoEBackend().forward(*args))
+    assert not torch.allclose(outputs["gelu"], outputs["gelu_pytorch_tanh"], rtol=0, atol=1e-6)
 
 
 def check_out_of_range_ids_contribute_nothing(device):
@@ -175,60 +210,91 @@ def check_out_of_range_ids_contribute_nothing(device):
 def check_no_tokens(device):
     w_gate_up, w_down = _moe_weights(NUM_EXPERTS, HIDDEN, INTERMEDIATE, device)
     hidden = torch.empty(0, HIDDEN, device=device)
-    out = _backend().forward(hidden, torch.empty(0, NUM_EXPERTS, device=device), w_gate_up, w_down, TOP_K, True)
-    assert out.shape == (0, HIDDEN)
+    for routing in ROUTINGS:
+        out = _backend().forward(hidden, torch.empty(0, NUM_EXPERTS, device=device), w_gate_up, w_down, routing,
+                                 correction_bias=_bias_for(routing, device, seed=0))
+        assert out.shape == (0, HIDDEN)
 
 
-def check_routing_matches_softmax_top_k(device):
-    from weir.moe import softmax_top_k
-    from weir.plugins.moe_backends.triton_routing_kernels import softmax_top_k_triton
+def check_routing_kernel_matches_the_reference(device):
+    from weir.moe import append_shared_experts
+    from weir.plugins.moe_backends.triton_routing_kernels import top_k_route_triton
 
     for num_tokens, num_experts, top_k, renormalize, dtype in (
             (7, 6, 3, False, torch.float32), (5, 60, 4, True, torch.float32), (3, 512, 10, True, torch.float32),
-            (4, 200, 10, True, torch.bfloat16), (2, 8, 8, True, torch.float32)):
+            (4, 200, 10, True, torch.bfloat16), (2, 8, 8, True, torch.float32), (3, 5, 1, False, torch.float32)):
         if dtype == torch.bfloat16:  # distinct values bf16 holds exactly (k / 32, k < 256): no ties
             generator = torch.Generator().manual_seed(num_experts)
             logits = torch.stack([torch.randperm(num_experts, generator=generator) for _ in range(num_tokens)])
             logits = (logits.float() / 32 - 3).to(device, dtype)
         else:
             logits = _randn(num_tokens, num_experts, device=device, seed=num_experts) * 3
-        expected_weights, expected_ids = softmax_top_k(logits, top_k, renormalize)
-        weights, ids = softmax_top_k_triton(logits, top_k, renormalize)
-        assert weights.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == (num_tokens, top_k)
-        assert torch.equal(ids.long().cpu(), expected_ids.cpu()), (num_experts, top_k)
-        torch.testing.assert_close(weights.cpu(), expected_weights.cpu(), rtol=1e-5, atol=1e-6)
-    # Ties go to the lower expert id; a strided view of the logits reads the right row elements.
-    tied = torch.tensor([[0.0, 2.0, 2.0, 1.0, 2.0]], device=device)
-    weights, ids = softmax_top_k_triton(tied, 3, True)
-    assert ids.tolist() == [[1, 2, 4]] and torch.allclose(weights.cpu(), torch.full((1, 3), 1 / 3))
-    wide = _randn(3, 20, device=device, seed=1)
-    _, ids = softmax_top_k_triton(wide[:, ::2], 2, False)
-    assert torch.equal(ids.long().cpu(), softmax_top_k(wide[:, ::2], 2, False)[1].cpu())
+        for routing in (Routing.softmax_top_k(num_experts, top_k, renormalize),
+                        Routing.top_k_softmax(num_experts, top_k)):
+            expected_weights, expected_ids = route_reference(logits, routing)
+            weights, ids = top_k_route_triton(logits, routing)
+            where = (routing, dtype)
+            assert weights.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == (num_tokens, top_k)
+            assert torch.equal(ids.long().cpu(), expected_ids.cpu()), where
+            torch.testing.assert_close(weights.cpu(), expected_weights.cpu(), rtol=1e-5, atol=1e-6, msg=str(where))
+    for routing in (Routing.softmax_top_k(5, 3, True), Routing.top_k_softmax(5, 3)):
+        # Ties go to the lower expert id; a strided view of the logits reads the right row elements.
+        tied = torch.tensor([[0.0, 2.0, 2.0, 1.0, 2.0]], device=device)
+        weights, ids = top_k_route_triton(tied, routing)
+        assert ids.tolist() == [[1, 2, 4]] and torch.allclose(weights.cpu(), torch.full((1, 3), 1 / 3))
+    for routing in (Routing.softmax_top_k(10, 2, False), Routing.top_k_softmax(10, 2)):
+        wide = _randn(3, 20, device=device, seed=1)
+        _, ids = top_k_route_triton(wide[:, ::2], routing)
+        assert torch.equal(ids.long().cpu(), route_reference(wide[:, ::2], routing)[1].cpu())
     # A NaN or inf logit makes garbage weights (as torch's would be) but never an id out of range.
-    broken = torch.tensor([[float("nan"), 1.0, 2.0, 3.0], [float("inf"), 0.0, 1.0, 2.0]], device=device)
-    _, ids = softmax_top_k_triton(broken, 2, False)
-    assert ((ids >= 0) & (ids < 4)).all()
+    broken = torch.tensor([[float("nan"), 1.0, 2.0, 3.0], [float("inf"), 0.0, 1.0, 2.0],
+                           [float("-inf"), float("-inf"), float("-inf"), float("nan")]], device=device)
+    for routing in (Routing.softmax_top_k(4, 2, False), Routing.top_k_softmax(4, 3)):
+        _, ids = top_k_route_triton(broken, routing)
+        assert ((ids >= 0) & (ids < 4)).all(), routing
     # Shared experts take the slots after the top k, weighted sigmoid(gate logit) or 1.
-    from weir.moe import append_shared_experts
-
     logits = _randn(6, 17, device=device, seed=5)
-    for num_shared, gate_logits in ((1, logits[:, 16:]), (2, None), (2, logits[:, 15:])):
-        expected_weights, expected_ids = append_shared_experts(
-            *softmax_top_k(logits[:, :15], 4, True), 15, num_shared, gate_logits)
-        weights, ids = softmax_top_k_triton(logits[:, :15], 4, True, num_shared, gate_logits)
-        assert ids.shape == (6, 4 + num_shared) and torch.equal(ids.long().cpu(), expected_ids.cpu())
+    for routing in (Routing.softmax_top_k(15, 4, True), Routing.top_k_softmax(15, 4)):
+        for num_shared, gate_logits in ((1, logits[:, 16:]), (2, None), (2, logits[:, 15:])):
+            expected_weights, expected_ids = append_shared_experts(
+                *route_reference(logits[:, :15], routing), 15, num_shared, gate_logits)
+            weights, ids = top_k_route_triton(logits[:, :15], routing, num_shared, gate_logits)
+            assert ids.shape == (6, 4 + num_shared) and torch.equal(ids.long().cpu(), expected_ids.cpu())
+            torch.testing.assert_close(weights.cpu(), expected_weights.cpu(), rtol=1e-5, atol=1e-6)
+
+
+def check_backend_routes_each_method(device):
+    """The backend's route: the fused kernel (int32 ids) for the softmax methods, the torch
+    reference (int64 ids) for the sigmoid one; the same weights and ids either way."""
+    logits = _randn(11, NUM_EXPERTS + 1, device=device, seed=40)
+    for routing in ROUTINGS:
+        bias = _bias_for(routing, device, seed=41)
+        weights, ids = _backend().route(logits[:, :NUM_EXPERTS], routing, bias, 1, logits[:, NUM_EXPERTS:])
+        expected_weights, expected_ids = TorchMoEBackend().route(logits[:, :NUM_EXPERTS], routing, bias, 1,
+                                                                 logits[:, NUM_EXPERTS:])
+        assert ids.dtype == (torch.int64 if routing.uses_correction_bias else torch.int32), routing
+        assert torch.equal(ids.long().cpu(), expected_ids.cpu()), routing
         torch.testing.assert_close(weights.cpu(), expected_weights.cpu(), rtol=1e-5, atol=1e-6)
+
+
+def check_the_backend_passes_the_conformance_check(device):
+    from weir.testing import check_moe_backend
+
+    check_moe_backend(_backend(), device=device)
 
 
 CHECKS = [
-    check_routing_matches_softmax_top_k,
+    check_routing_kernel_matches_the_reference,
+    check_backend_routes_each_method,
     check_alignment,
     check_matches_torch,
     check_shared_experts_match_torch,
     check_one_expert_takes_every_token,
     check_ragged_shapes_strides_and_tiles,
+    check_every_activation_matches_torch,
     check_out_of_range_ids_contribute_nothing,
     check_no_tokens,
+    check_the_backend_passes_the_conformance_check,
 ]
 
 
@@ -278,7 +344,7 @@ def test_bad_arguments_are_errors():
     w_gate_up, w_down = _moe_weights(NUM_EXPERTS, HIDDEN, INTERMEDIATE, "cpu")
     hidden = torch.randn(3, HIDDEN)
     topk_weights, topk_ids = torch.rand(3, TOP_K), torch.zeros(3, TOP_K, dtype=torch.int64)
-    with pytest.raises(ValueError, match="unknown MoE activation 'relu9'"):
+    with pytest.raises(ValueError, match="unknown activation 'relu9'"):
         backend.experts(hidden, topk_weights, topk_ids, w_gate_up, w_down, "relu9")
     with pytest.raises(ValueError, match="do not match hidden size"):
         backend.experts(hidden[:, :40], topk_weights, topk_ids, w_gate_up, w_down)
@@ -288,6 +354,23 @@ def test_bad_arguments_are_errors():
         backend.experts(hidden, topk_weights, topk_ids.float(), w_gate_up, w_down)
     with pytest.raises(ValueError, match="must have hidden's dtype"):
         backend.experts(hidden.bfloat16(), topk_weights, topk_ids, w_gate_up, w_down)
+    from weir.plugins.moe_backends.triton_routing_kernels import top_k_route_triton
+
+    with pytest.raises(ValueError, match="computes softmax_top_k and top_k_softmax, not sigmoid_grouped_top_k"):
+        top_k_route_triton(torch.randn(3, NUM_EXPERTS), ROUTINGS[-1])
+    with pytest.raises(ValueError, match=r"router_logits must be \[num_tokens, 8\]"):
+        top_k_route_triton(torch.randn(3, 6), ROUTINGS[0])
+    with pytest.raises(ValueError, match="needs the layer's correction_bias"):
+        backend.route(torch.randn(3, NUM_EXPERTS), ROUTINGS[-1])
+    with pytest.raises(ValueError, match="softmax_top_k routing takes no correction_bias"):
+        backend.route(torch.randn(3, NUM_EXPERTS), ROUTINGS[0], torch.zeros(NUM_EXPERTS))
+
+
+def test_the_kernel_has_every_activation_of_the_table():
+    from weir.moe import ACTIVATIONS
+    from weir.plugins.moe_backends.triton_fused import KERNEL_ACTIVATIONS
+
+    assert set(KERNEL_ACTIVATIONS) == set(ACTIVATIONS)
 
 
 @pytest.fixture(scope="module")
@@ -346,3 +429,34 @@ def test_cuda_graph_replay_matches_eager(qwen3_next_experts, num_tokens):
         assert torch.equal(graph_out, eager)
         expected = TorchMoEBackend().experts(*batch, *qwen3_next_experts)
         assert _relative_error(graph_out, expected) < 1e-2
+
+
+@cuda
+@pytest.mark.gpu
+def test_every_routing_never_syncs_and_replays_from_a_cuda_graph(qwen3_next_experts):
+    """Routing and experts for each method at Qwen3-Next sizes (512 experts, top 10; DeepSeek's
+    8 groups, 4 kept): no host sync (torch's sync debug mode raises on one), and a graph captured
+    once replays new logits bit-exactly as eager runs them."""
+    backend = _backend()
+    generator = torch.Generator(device="cuda").manual_seed(7)
+    bias = torch.randn(512, device="cuda", generator=generator) * 0.05
+    for routing in (Routing.softmax_top_k(512, 10, True), Routing.top_k_softmax(512, 10),
+                    Routing.sigmoid_grouped_top_k(512, 10, 8, 4, True, 2.5)):
+        correction_bias = bias if routing.uses_correction_bias else None
+        hidden = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16, generator=generator)
+        logits = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16, generator=generator)
+        forward = lambda: backend.forward(hidden, logits, *qwen3_next_experts, routing,  # noqa: E731
+                                          correction_bias=correction_bias)
+        forward()  # compiles outside the capture
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            forward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graph_out = forward()
+        logits.copy_(torch.randn(64, 512, device="cuda", dtype=torch.bfloat16, generator=generator))
+        graph.replay()
+        assert torch.equal(graph_out, forward()), routing

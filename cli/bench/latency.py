@@ -48,13 +48,13 @@ def decode_weight_bytes(model: Any, batch_size: int = 1) -> int:
 
 def _routed_expert_fractions(model: Any, batch_size: int) -> list[tuple[Any, float]]:
     """(expert parameter, fraction of its experts a decode step reads) for every MoE layer: a
-    module holding ``experts`` (FusedExperts) and routing each token to ``top_k`` of them."""
+    FusedExperts module, whose routing sends each token to ``top_k`` of them."""
     from weir.layers.moe import FusedExperts
 
     fractions = []
-    for module in model.modules():
-        experts, top_k = getattr(module, "experts", None), getattr(module, "top_k", None)
-        if isinstance(experts, FusedExperts) and isinstance(top_k, int):
+    for experts in model.modules():
+        if isinstance(experts, FusedExperts):
+            top_k = experts.routing.top_k
             num_experts, num_shared = experts.num_experts, experts.num_shared_experts
             expected = num_experts * (1 - (1 - min(top_k, num_experts) / num_experts) ** batch_size)
             # Shared experts, stored after the routed ones, are read by every step.

@@ -8,14 +8,7 @@ from torch import nn
 
 from weir.kernels.dispatch import triton_module, use_triton
 from weir.layers.linear import Linear, MergedLinear
-
-
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
-# hidden_act names as transformers' ACT2FN spells them.
-_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu_pytorch_tanh": _gelu_tanh}
+from weir.moe import ACTIVATIONS
 
 
 class GatedMLP(nn.Module):
@@ -24,10 +17,10 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu",
                  bias: bool = False):
         super().__init__()
-        if hidden_act not in _ACTIVATIONS:
+        if hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act={hidden_act!r} is not supported by GatedMLP; "
-                             f"supported: {', '.join(_ACTIVATIONS)}")
-        self.act_fn = _ACTIVATIONS[hidden_act]
+                             f"supported: {', '.join(ACTIVATIONS)}")
+        self.act_fn = ACTIVATIONS[hidden_act]
         # SiLU has a fused Triton kernel (activation and product in one pass) on CUDA.
         self.fused_silu = self.act_fn is F.silu
         self.gate_up_proj = MergedLinear(

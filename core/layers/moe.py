@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from weir.layer_cache import ForwardContext
+from weir.moe import MoEBackend, Routing, activation_fn
 
 # Per-expert checkpoint tensors (what ``save_pretrained`` writes) -> shards of the fused expert
 # parameters; for a model's ``stacked_param_patterns`` (regex, parameter, shard id).
@@ -18,7 +19,8 @@ PER_EXPERT_PATTERNS: tuple[tuple[str, str, str], ...] = (
 
 class FusedExperts(nn.Module):
     """``gate_up_proj [E + S, 2I, H]`` (gate rows, then up rows) and ``down_proj [E + S, H, I]``:
-    ``E = num_experts`` routed experts, then ``S = num_shared_experts`` shared ones.
+    ``E = num_experts`` routed experts, then ``S = num_shared_experts`` shared ones, reached as
+    ``routing`` (``weir.moe.Routing``, built once by the model from its config) says.
 
     The routed experts load from per-expert checkpoint tensors (shards ``gate.e``, ``up.e``,
     ``down.e``) or from the fused tensors whole (``whole_slice``). Shared experts are checkpoint
@@ -27,12 +29,19 @@ class FusedExperts(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str = "silu",
-                 num_shared_experts: int = 0):
+                 num_shared_experts: int = 0, *, routing: Routing):
         super().__init__()
+        if not isinstance(routing, Routing):
+            raise ValueError(f"routing must be a weir.moe.Routing, got {type(routing).__name__}")
+        if routing.num_experts != num_experts:
+            raise ValueError(f"the routing chooses among {routing.num_experts} experts, but the layer has "
+                             f"{num_experts} routed experts")
+        activation_fn(activation)  # an unknown name fails when the model is built, not at its first step
         self.num_experts = num_experts
         self.num_shared_experts = num_shared_experts
         self.intermediate_size = intermediate_size
         self.activation = activation
+        self.routing = routing
         total = num_experts + num_shared_experts
         self.gate_up_proj = nn.Parameter(torch.empty(total, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(total, hidden_size, intermediate_size))
@@ -78,27 +87,26 @@ class FusedExperts(nn.Module):
         self,
         hidden_states: torch.Tensor,  # [num_tokens, hidden]
         router_logits: torch.Tensor,  # [num_tokens, num_experts]
-        top_k: int,
-        renormalize: bool,
         ctx: ForwardContext,
         shared_gate_logits: torch.Tensor | None = None,  # [num_tokens, num_shared_experts]
+        correction_bias: torch.Tensor | None = None,  # [num_experts]: the routing's, when it uses one
     ) -> torch.Tensor:  # [num_tokens, hidden]: routed experts plus (gated) shared experts
+        """``shared_gate_logits`` weigh the shared experts (``sigmoid``; 1 without them);
+        ``correction_bias`` is the layer's ``e_score_correction_bias`` for
+        ``sigmoid_grouped_top_k`` routing (a parameter the model owns and loads)."""
         if ctx.moe_backend is None:
             raise RuntimeError("this model has MoE layers, but the forward context has no MoE backend")
-        # Passed only when used: a backend whose forward override predates shared experts still
-        # serves models without them.
-        shared = {}
-        if self.num_shared_experts or shared_gate_logits is not None:
-            shared = dict(num_shared_experts=self.num_shared_experts, shared_gate_logits=shared_gate_logits)
         backend = ctx.moe_backend
         try:
-            out = backend.forward(hidden_states, router_logits, self.gate_up_proj, self.down_proj, top_k,
-                                  renormalize, self.activation, **shared)
+            out = backend.forward(hidden_states, router_logits, self.gate_up_proj, self.down_proj,
+                                  routing=self.routing, activation=self.activation, correction_bias=correction_bias,
+                                  num_shared_experts=self.num_shared_experts, shared_gate_logits=shared_gate_logits)
         except TypeError as error:
-            if shared and "num_shared_experts" in str(error):
-                raise TypeError(f"MoE backend {backend.name!r} overrides forward without the num_shared_experts "
-                                f"and shared_gate_logits arguments this model's shared experts need "
-                                f"(weir.moe.MoEBackend.forward): {error}") from error
+            if type(backend).forward is not MoEBackend.forward and "keyword argument" in str(error):
+                raise TypeError(f"MoE backend {backend.name!r} overrides forward with another signature than "
+                                f"weir.moe.MoEBackend.forward(hidden, router_logits, w_gate_up, w_down, routing, "
+                                f"activation, correction_bias, num_shared_experts, shared_gate_logits): "
+                                f"{error}") from error
             raise
         if out.shape != hidden_states.shape or out.dtype != hidden_states.dtype:
             raise RuntimeError(f"MoE backend {backend.name!r} returned {out.dtype} {tuple(out.shape)}; expected "
@@ -108,4 +116,4 @@ class FusedExperts(nn.Module):
     def extra_repr(self) -> str:
         hidden = self.down_proj.shape[1]
         return (f"experts={self.num_experts}, shared={self.num_shared_experts}, hidden={hidden}, "
-                f"intermediate={self.intermediate_size}")
+                f"intermediate={self.intermediate_size}, routing={self.routing}")

@@ -25,6 +25,7 @@ from weir.layers.gates import delta_net_gates
 from weir.layers.moe import PER_EXPERT_PATTERNS, FusedExperts
 from weir.layers.norm import GatedRMSNorm, ZeroCenteredRMSNorm
 from weir.linear_attention import GatedDeltaNetLayerSpec
+from weir.moe import Routing
 
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 
@@ -182,12 +183,12 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, hf_config: Any):
         super().__init__()
         hidden = hf_config.hidden_size
-        self.top_k = hf_config.num_experts_per_tok
-        self.renormalize = bool(hf_config.norm_topk_prob)
         self.router = RouterLinear(hidden, hf_config.num_experts)
         self.fuse_shared = hf_config.shared_expert_intermediate_size == hf_config.moe_intermediate_size
+        routing = Routing.softmax_top_k(hf_config.num_experts, hf_config.num_experts_per_tok,
+                                        bool(hf_config.norm_topk_prob))
         self.experts = FusedExperts(hf_config.num_experts, hidden, hf_config.moe_intermediate_size,
-                                    hf_config.hidden_act, num_shared_experts=int(self.fuse_shared))
+                                    hf_config.hidden_act, num_shared_experts=int(self.fuse_shared), routing=routing)
         self.shared_expert = GatedMLP(hidden, hf_config.shared_expert_intermediate_size, hf_config.hidden_act)
 
     def process_weights_after_loading(self) -> None:
@@ -199,9 +200,9 @@ class SparseMoeBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         router_logits, shared_gate_logits = self.router.split(self.router(hidden_states))  # [T, E], [T, 1]
         if self.shared_expert is None:
-            return self.experts(hidden_states, router_logits, self.top_k, self.renormalize, ctx,
+            return self.experts(hidden_states, router_logits, ctx,
                                 shared_gate_logits=shared_gate_logits)  # [num_tokens, hidden]
-        routed = self.experts(hidden_states, router_logits, self.top_k, self.renormalize, ctx)
+        routed = self.experts(hidden_states, router_logits, ctx)
         shared = torch.sigmoid(shared_gate_logits) * self.shared_expert(hidden_states)
         return routed + shared  # [num_tokens, hidden]
 

@@ -5,17 +5,21 @@ one grouped GEMM computes ``act(gate) * up`` for every assignment, a second appl
 projection and the routing weight, and a last kernel sums each token's ``top_k`` rows
 (``triton_fused_kernels`` has the details). No step reads the device on the host and every
 grid depends only on the token count, so a decode batch of fixed size can be captured in a
-CUDA graph. Routing (softmax, top-k, renormalisation, shared-expert slots) is one more kernel
-(``triton_routing_kernels``) in place of torch's five.
+CUDA graph. ``softmax_top_k`` and ``top_k_softmax`` routing, shared-expert slots included, is
+one more kernel (``triton_routing_kernels``) in place of torch's five; ``sigmoid_grouped_top_k``
+runs the torch reference's ops for now (they never read the device on the host either).
 """
 
 from __future__ import annotations
 
 import torch
 
-from weir.moe import MoEBackend, activation_fn
+from weir.moe import MoEBackend, Routing, activation_fn
 from weir.plugins.moe_backends.triton_fused_kernels import MoETiles, default_moe_tiles, fused_experts
-from weir.plugins.moe_backends.triton_routing_kernels import softmax_top_k_triton
+from weir.plugins.moe_backends.triton_routing_kernels import FUSED_ROUTING_METHODS, top_k_route_triton
+
+# ACTIVATIONS names -> the expert kernel's own (``triton_fused_kernels._activate``).
+KERNEL_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 class TritonMoEBackend(MoEBackend):
@@ -32,13 +36,16 @@ class TritonMoEBackend(MoEBackend):
     def route(
         self,
         router_logits: torch.Tensor,  # [num_tokens, num_routed_experts]
-        top_k: int,
-        renormalize: bool,
+        routing: Routing,
+        correction_bias: torch.Tensor | None = None,  # [num_routed_experts], sigmoid_grouped_top_k only
         num_shared_experts: int = 0,
         shared_gate_logits: torch.Tensor | None = None,  # [num_tokens, num_shared_experts]
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # weights fp32, ids int32: [num_tokens, top_k + num_shared_experts]
-        """The base class's softmax routing and shared-expert slots, in one fused kernel."""
-        return softmax_top_k_triton(router_logits, top_k, renormalize, num_shared_experts, shared_gate_logits)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # weights fp32, integer ids: [num_tokens, top_k + num_shared_experts]
+        """The base class's routing and shared-expert slots: one fused kernel (int32 ids) for the
+        softmax methods, the torch reference (int64 ids) for ``sigmoid_grouped_top_k``."""
+        if isinstance(routing, Routing) and routing.method in FUSED_ROUTING_METHODS and correction_bias is None:
+            return top_k_route_triton(router_logits, routing, num_shared_experts, shared_gate_logits)
+        return super().route(router_logits, routing, correction_bias, num_shared_experts, shared_gate_logits)
 
     def experts(
         self,
@@ -55,10 +62,14 @@ class TritonMoEBackend(MoEBackend):
         ``[0, num_experts)`` contributes nothing.
         """
         activation_fn(activation)  # unknown names fail here, with the list of known ones
+        if activation not in KERNEL_ACTIVATIONS:
+            raise ValueError(f"the triton MoE backend has no kernel for activation {activation!r}; it has "
+                             f"{', '.join(KERNEL_ACTIVATIONS)}")
         check_shapes(hidden, topk_weights, topk_ids, w_gate_up, w_down)
         num_tokens, top_k = topk_ids.shape
         tiles = self.tiles or default_moe_tiles(num_tokens, top_k, w_gate_up.shape[0], hidden.dtype)
-        return fused_experts(hidden, topk_weights, topk_ids, w_gate_up, w_down, activation, tiles)
+        return fused_experts(hidden, topk_weights, topk_ids, w_gate_up, w_down, KERNEL_ACTIVATIONS[activation],
+                             tiles)
 
 
 def check_shapes(

@@ -175,11 +175,16 @@ def align_assignments(
 
 @triton.jit
 def _activate(gate, ACTIVATION: tl.constexpr):
-    """``F.silu`` / ``F.gelu`` (erf form) of fp32 ``gate``, as torch computes them in fp32."""
+    """``F.silu`` / ``F.gelu`` (erf form) / ``F.gelu(approximate="tanh")`` of fp32 ``gate``, as
+    torch computes them in fp32 (up to rounding)."""
     if ACTIVATION == "silu":
         return tl.math.div_rn(gate, 1.0 + tl.exp(-gate))
-    else:
+    elif ACTIVATION == "gelu":
         return 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
+    else:
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi) * (...)
+        # tanh(y) = 1 - 2 / (exp(2y) + 1): exp overflowing to inf still gives 1.
+        return 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
 
 
 @triton.jit(do_not_specialize=["num_assignments"])
@@ -308,7 +313,7 @@ def fused_experts(
     topk_ids: torch.Tensor,  # [num_tokens, top_k] integer expert ids
     w_gate_up: torch.Tensor,  # [num_experts, 2 * intermediate, hidden_size]
     w_down: torch.Tensor,  # [num_experts, hidden_size, intermediate]
-    activation: str,  # "silu" or "gelu"
+    activation: str,  # "silu", "gelu" or "gelu_tanh"
     tiles: MoETiles,
 ) -> torch.Tensor:  # [num_tokens, hidden_size], hidden's dtype
     """Sum over each token's experts of ``weight * down(act(gate(x)) * up(x))``; shapes pre-checked."""

@@ -1,8 +1,8 @@
 """Experts one token and one slot at a time: the shortest correct ``weir.moe.MoEBackend``.
 
-Routing (softmax top-k, then one slot per shared expert) is the base class's; only ``experts``
-is written here. Shared experts arrive as extra slots (ids from the number of routed experts
-on), so the loop needs no special case for them.
+Routing (whichever ``weir.moe.Routing`` the layer has, then one slot per shared expert) is the
+base class's ``route``; only ``experts`` is written here. Shared experts arrive as extra slots
+(ids from the number of routed experts on), so the loop needs no special case for them.
 """
 
 from __future__ import annotations
