@@ -42,7 +42,8 @@ A model plugin registers ``ModelSpec(architecture, "pkg.module:XForCausalLM")``;
   for softmax attention, full or windowed), each with the ``layer_idx`` its ``weir.layers.Attention``
   module reads ``ctx.layers`` at; the runner groups them by window, sizes and allocates each
   group's cache (and refuses a model whose attention modules they miss).
-  A model without sliding windows or other layer kinds calls
+  A model reads its layers' windows with ``weir.layers.attention.sliding_windows_of`` (the Llama
+  skeleton every subclass shares does); one that implements full attention only calls
   ``weir.layers.attention.require_full_attention(hf_config, max_model_len)`` in ``__init__``: it
   refuses configs whose ``layer_types`` or ``sliding_window`` a full-attention model would
   silently ignore.

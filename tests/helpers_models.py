@@ -96,6 +96,15 @@ def make_tiny_qwen2(path: Path, *, rope: str | dict | None = "default", seed: in
     return _save_random(Qwen2Config(**options), path, seed, with_tokenizer)
 
 
+def make_tiny_mistral(path: Path, *, seed: int = 0, with_tokenizer: bool = False, **overrides: Any) -> Path:
+    """Mistral: Llama's layers with one ``sliding_window`` for every layer (None by default)."""
+    from transformers import MistralConfig
+
+    options = {**_COMMON, "rope_parameters": _rope(None, 10000.0), "tie_word_embeddings": False,
+               "architectures": ["MistralForCausalLM"], **overrides}
+    return _save_random(MistralConfig(**options), path, seed, with_tokenizer)
+
+
 def make_tiny_qwen3_next(path: Path, *, seed: int = 0, with_tokenizer: bool = False, **overrides: Any) -> Path:
     """Qwen3-Next: 4 layers (Gated DeltaNet, full, DeltaNet, full), GVA 2 key / 4 value heads,
     partial RoPE (8 of 32 dims), 8 experts top-2 plus a shared expert as wide as one (so Weir runs
@@ -111,6 +120,36 @@ def make_tiny_qwen3_next(path: Path, *, seed: int = 0, with_tokenizer: bool = Fa
                "mlp_only_layers": [0], "tie_word_embeddings": False,
                "architectures": ["Qwen3NextForCausalLM"], **overrides}
     return _save_random(Qwen3NextConfig(**options), path, seed, with_tokenizer)
+
+
+_GRANITE_SWA = dict(
+    num_hidden_layers=4, sliding_window=5,  # not a multiple of the tests' block sizes
+    layer_types=["full_attention", "sliding_attention", "sliding_attention", "sliding_attention"],
+    layer_rope_theta=[10000.0, 0, 500.0, 10000.0],  # two bases, and a layer without RoPE
+    embedding_multiplier=1.7, attention_multiplier=0.2, residual_multiplier=0.6, logits_scaling=2.5,
+)
+
+
+def make_tiny_granite_swa(path: Path, *, seed: int = 0, with_tokenizer: bool = False, **overrides: Any) -> Path:
+    """Granite SWA: full attention on layer 0 and a window of 5 tokens on the others, a NoPE layer,
+    two RoPE bases, random (non-zero) sinks and non-unit multipliers; tied embeddings."""
+    from transformers import GraniteSWAConfig
+
+    options = {**_COMMON, **_GRANITE_SWA, "rope_parameters": _rope(None, 10000.0), "tie_word_embeddings": True,
+               "architectures": ["GraniteSWAForCausalLM"], **overrides}
+    return _save_random(GraniteSWAConfig(**options), path, seed, with_tokenizer)
+
+
+def make_tiny_granitemoe_swa(path: Path, *, seed: int = 0, with_tokenizer: bool = False,
+                             **overrides: Any) -> Path:
+    """GraniteMoe SWA: the layers of make_tiny_granite_swa with 4 experts, top-2, and a shared MLP
+    (as wide as an expert unless ``shared_intermediate_size`` says otherwise); untied."""
+    from transformers import GraniteMoeSWAConfig
+
+    options = {**_COMMON, **_GRANITE_SWA, "rope_parameters": _rope(None, 10000.0), "intermediate_size": 32,
+               "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 32,
+               "tie_word_embeddings": False, "architectures": ["GraniteMoeSWAForCausalLM"], **overrides}
+    return _save_random(GraniteMoeSWAConfig(**options), path, seed, with_tokenizer)
 
 
 def tiny_model_config(path: Path, dtype: torch.dtype = torch.float32,

@@ -50,9 +50,10 @@ def num_kv_heads_of(hf_config: Any) -> int:
 class RopeSelfAttention(nn.Module):
     """qkv_proj -> [per-head q/k RMSNorm] -> RoPE -> attention -> o_proj.
 
-    Covers Llama (``attention_bias`` on all four projections), Qwen2 (bias on q/k/v only) and
-    Qwen3 (per-head ``q_norm``/``k_norm`` before RoPE). The rotary module is shared by all
-    layers of a model (one cos/sin cache).
+    Covers Llama (``attention_bias`` on all four projections), Qwen2 (bias on q/k/v only),
+    Qwen3 (per-head ``q_norm``/``k_norm`` before RoPE) and Granite SWA (a sliding window on
+    some layers, learnt per-head ``sinks``, no RoPE where ``rotary_emb`` is None). The rotary
+    module is shared by the layers of a model that use the same frequencies (one cos/sin cache).
     """
 
     def __init__(
@@ -62,11 +63,13 @@ class RopeSelfAttention(nn.Module):
         num_kv_heads: int,
         head_dim: int,
         layer_idx: int,
-        rotary_emb: RotaryEmbedding,
+        rotary_emb: RotaryEmbedding | None,  # None: no position embedding (NoPE)
         qkv_bias: bool = False,
         o_bias: bool = False,
         qk_norm_eps: float | None = None,  # None: no q/k norm
         scale: float | None = None,  # None: head_dim ** -0.5
+        sliding_window: int | None = None,
+        has_sinks: bool = False,
     ):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -79,10 +82,15 @@ class RopeSelfAttention(nn.Module):
         self.o_proj = Linear(num_heads * head_dim, hidden_size, o_bias)
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        if qk_norm_eps is not None and rotary_emb is None:
+            raise ValueError("q/k norms are applied with RoPE: a layer without RoPE cannot have them")
         self.rotary_emb = rotary_emb
+        # Checkpoints name it self_attn.sinks; any float dtype: the backends read it in fp32.
+        self.sinks = nn.Parameter(torch.empty(num_heads)) if has_sinks else None
         self.attn = Attention(AttentionLayerSpec(
             layer_idx=layer_idx, num_heads=num_heads, num_kv_heads=num_kv_heads,
-            head_dim=head_dim, scale=scale if scale is not None else head_dim ** -0.5))
+            head_dim=head_dim, scale=scale if scale is not None else head_dim ** -0.5,
+            sliding_window=sliding_window, has_sinks=has_sinks))
 
     def forward(
         self,
@@ -97,10 +105,46 @@ class RopeSelfAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.rotary_emb.forward_with_norms(positions, q, k, self.q_norm, self.k_norm)
-        else:
+        elif self.rotary_emb is not None:
             q, k = self.rotary_emb(positions, q, k)
-        attn_out = self.attn(q, k, v, ctx)  # [num_tokens, num_heads, head_dim]
+        attn_out = self.attn(q, k, v, ctx, self.sinks)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(attn_out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+def sliding_windows_of(hf_config: Any, max_model_len: int, window_on_every_layer: bool = False) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as transformers reads the config.
+
+    ``layer_types`` (``full_attention`` / ``sliding_attention``, as Qwen2/Qwen3 build it from
+    ``use_sliding_window`` and ``max_window_layers``, and Granite SWA sets it) decides per layer;
+    without it, a scalar ``sliding_window`` applies to every layer only for architectures that
+    say so (``window_on_every_layer``: Mistral); any other model refuses it unless every sequence
+    fits in the window (``require_full_attention``). A window no shorter than ``max_model_len``
+    sees the whole sequence, so it is full attention.
+    """
+    num_layers = hf_config.num_hidden_layers
+    layer_types = getattr(hf_config, "layer_types", None)
+    window = getattr(hf_config, "sliding_window", None)
+    if getattr(hf_config, "use_sliding_window", None) is False:  # Qwen2-style configs switch it off
+        window = None
+    if layer_types:
+        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(f"{type(hf_config).__name__}: layer_types {unknown} are not supported by this model "
+                             "implementation (full_attention and sliding_attention are)")
+        if len(layer_types) != num_layers:
+            raise ValueError(f"{type(hf_config).__name__}: layer_types has {len(layer_types)} entries for "
+                             f"{num_layers} layers")
+        if "sliding_attention" in layer_types and (isinstance(window, bool) or not isinstance(window, int)
+                                                   or window < 1):
+            raise ValueError(f"{type(hf_config).__name__}: sliding_attention layers need a positive integer "
+                             f"sliding_window, got {window!r}")
+        windows = [window if kind == "sliding_attention" else None for kind in layer_types]
+    elif window and window_on_every_layer:
+        windows = [window] * num_layers
+    else:
+        require_full_attention(hf_config, max_model_len)
+        windows = [None] * num_layers
+    return [None if w is not None and w >= max_model_len else w for w in windows]
 
 
 def require_full_attention(hf_config: Any, max_model_len: int | None = None) -> None:

@@ -10,9 +10,12 @@ from weir.hookspecs import ModelSpec, hookimpl
 
 @hookimpl
 def weir_models() -> list[ModelSpec]:
-    """Llama and Qwen3 dense decoders."""
+    """Dense decoders (Llama, Mistral, Qwen3, Granite SWA), hybrid Qwen3-Next and GraniteMoe SWA."""
     return [
         ModelSpec("LlamaForCausalLM", "weir.plugins.models.llama:LlamaForCausalLM"),
+        ModelSpec("MistralForCausalLM", "weir.plugins.models.llama:MistralForCausalLM"),
+        ModelSpec("GraniteSWAForCausalLM", "weir.plugins.models.granite_swa:GraniteSWAForCausalLM"),
+        ModelSpec("GraniteMoeSWAForCausalLM", "weir.plugins.models.granite_swa:GraniteMoeSWAForCausalLM"),
         ModelSpec("Qwen3ForCausalLM", "weir.plugins.models.qwen3:Qwen3ForCausalLM"),
         ModelSpec("Qwen3NextForCausalLM", "weir.plugins.models.qwen3_next:Qwen3NextForCausalLM"),
     ]

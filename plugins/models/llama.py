@@ -1,6 +1,8 @@
 """Llama (``LlamaForCausalLM``): pre-norm decoder of RoPE self-attention and a gated MLP.
 
-Also the skeleton of the Qwen family: Qwen3 only changes ``attention_options``.
+Also the skeleton of the Qwen family (Qwen3 only changes ``attention_options``) and of Mistral
+(a sliding window on every layer). Sliding windows follow the config's ``layer_types``
+(``weir.layers.attention.sliding_windows_of``).
 """
 
 from __future__ import annotations
@@ -15,17 +17,17 @@ from weir.layer_cache import ForwardContext
 from weir.config import ModelConfig
 from weir.layers import (QKV_GATE_UP_STACKED_PARAMS, GatedMLP, LMHead, RMSNorm, RopeSelfAttention,
                          RotaryEmbedding, VocabEmbedding, head_dim_of, num_kv_heads_of)
-from weir.layers.attention import require_full_attention
+from weir.layers.attention import sliding_windows_of
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, hf_config: Any, layer_idx: int, rotary_emb: RotaryEmbedding,
-                 attention_options: dict[str, Any]):
+                 attention_options: dict[str, Any], sliding_window: int | None = None):
         super().__init__()
         hidden = hf_config.hidden_size
         self.self_attn = RopeSelfAttention(
             hidden, hf_config.num_attention_heads, num_kv_heads_of(hf_config), head_dim_of(hf_config),
-            layer_idx, rotary_emb, **attention_options)
+            layer_idx, rotary_emb, sliding_window=sliding_window, **attention_options)
         self.mlp = GatedMLP(hidden, hf_config.intermediate_size, hf_config.hidden_act,
                             bias=getattr(hf_config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(hidden, hf_config.rms_norm_eps)
@@ -49,14 +51,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, attention_options: dict[str, Any]):
+    def __init__(self, config: ModelConfig, attention_options: dict[str, Any], sliding_windows: list[int | None]):
         super().__init__()
         hf_config = config.hf_config
         self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         # One cos/sin cache shared by every layer.
         self.rotary_emb = RotaryEmbedding(hf_config, head_dim_of(hf_config), config.max_model_len)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, layer_idx, self.rotary_emb, attention_options)
+            LlamaDecoderLayer(hf_config, layer_idx, self.rotary_emb, attention_options, sliding_windows[layer_idx])
             for layer_idx in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
@@ -75,12 +77,14 @@ class LlamaForCausalLM(nn.Module):
 
     stacked_params = QKV_GATE_UP_STACKED_PARAMS
     ignored_checkpoint_patterns = (r"rotary_emb\.inv_freq$",)
+    # A scalar sliding_window without layer_types: every layer's window (Mistral), or refused.
+    window_on_every_layer = False
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         hf_config = config.hf_config
-        require_full_attention(hf_config, config.max_model_len)  # subclasses inherit the check
-        self.model = LlamaModel(config, self.attention_options(hf_config))
+        windows = sliding_windows_of(hf_config, config.max_model_len, self.window_on_every_layer)
+        self.model = LlamaModel(config, self.attention_options(hf_config), windows)
         tied = self.model.embed_tokens if getattr(hf_config, "tie_word_embeddings", False) else None
         self.lm_head = LMHead(hf_config.hidden_size, hf_config.vocab_size, tie_to=tied)
 
@@ -99,3 +103,9 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[AttentionLayerSpec]:
         return [layer.self_attn.attn.spec for layer in self.model.layers]
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama with ``sliding_window`` on every layer (None in later releases: full attention)."""
+
+    window_on_every_layer = True

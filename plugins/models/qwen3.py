@@ -12,8 +12,8 @@ from weir.plugins.models.llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    # Sliding-window layers (use_sliding_window) are off on every released Qwen3; configs that
-    # turn them on are refused by LlamaForCausalLM's require_full_attention.
+    # Sliding-window layers (use_sliding_window, off on every released Qwen3) come from the
+    # config's layer_types, which transformers builds from max_window_layers.
 
     @classmethod
     def attention_options(cls, hf_config: Any) -> dict[str, Any]:

@@ -13,8 +13,8 @@ from weir.plugins.models.llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    # Qwen2's optional sliding-window layers (use_sliding_window) are not implemented: the Llama
-    # skeleton's require_full_attention refuses configs that turn them on.
+    # Qwen2's optional sliding-window layers (use_sliding_window) come with the Llama skeleton: it
+    # reads them from the layer_types transformers builds from max_window_layers.
 
     @classmethod
     def attention_options(cls, hf_config: Any) -> dict[str, Any]:
