@@ -7,6 +7,7 @@ import json
 import random
 import re
 import sys
+import types
 
 import pytest
 import torch
@@ -277,3 +278,33 @@ def test_chat_chunks_with_empty_content_are_token_arrivals():
     assert _token_text({"delta": {"content": "hi"}}, is_chat=True) == "hi"
     assert _token_text({"text": ""}, is_chat=False) == ""
     assert _token_text({"text": "", "finish_reason": "length"}, is_chat=False) is None
+
+
+class _FailingImport:
+    """A meta-path finder that makes importing ``names`` raise ``error`` (not only ImportError)."""
+
+    def __init__(self, names: set[str], error: Exception):
+        self.names, self.error = names, error
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in self.names:
+            raise self.error
+        return None
+
+
+@pytest.mark.parametrize("error", [ModuleNotFoundError("No module named 'truststore'"), AttributeError("half-installed")])
+def test_serve_falls_back_to_httpx_when_httpx2_is_broken(monkeypatch, error):
+    """httpx2 imports without its transport (httpcore2, which needs truststore): it must count
+    as missing then, whatever its import raises, and httpx serve instead."""
+    from weir.cli.bench.serve_client import http_module
+
+    fake_httpx = types.ModuleType("httpx")
+    for name in ("httpcore2", "httpx", "httpcore"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setitem(sys.modules, "httpx", fake_httpx)
+    monkeypatch.setitem(sys.modules, "httpcore", types.ModuleType("httpcore"))
+    monkeypatch.setattr(sys, "meta_path", [_FailingImport({"httpcore2"}, error), *sys.meta_path])
+    assert http_module() is fake_httpx
+    monkeypatch.setitem(sys.modules, "httpx", None)  # neither works: the error names both
+    with pytest.raises(RuntimeError, match=r"pip install httpx \(httpx2: .*; httpx: "):
+        http_module()
