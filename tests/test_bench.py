@@ -316,7 +316,8 @@ class _FailingImport:
         return None
 
 
-@pytest.mark.parametrize("error", [ModuleNotFoundError("No module named 'truststore'"), AttributeError("half-installed")])
+@pytest.mark.parametrize("error", [ModuleNotFoundError("No module named 'truststore'"),
+                                   AttributeError("half-installed")])
 def test_serve_falls_back_to_httpx_when_httpx2_is_broken(monkeypatch, error):
     """httpx2 imports without its transport (httpcore2, which needs truststore): it must count
     as missing then, whatever its import raises, and httpx serve instead."""
