@@ -82,7 +82,7 @@ def serve(
     # Stats logging, named as vLLM's.
     disable_log_stats: bool = typer.Option(False, "--disable-log-stats",
                                            help="no periodic stats line (throughput, running/waiting, KV cache)"),
-    log_stats_interval: float = typer.Option(DEFAULT_LOG_STATS_INTERVAL,
+    log_stats_interval: float = typer.Option(DEFAULT_LOG_STATS_INTERVAL, envvar="VLLM_LOG_STATS_INTERVAL",
                                              help="seconds between stats lines (one is logged only when "
                                                   "requests ran in the interval)"),
     engine_options: dict | None = None,

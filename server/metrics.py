@@ -250,6 +250,9 @@ class StatsLogger:
                 stats = await self.engine.call_async(read_engine_stats)
             except EngineDeadError:
                 return
+            except Exception:  # a stats bug must not go unseen, nor touch serving: stop the lines only
+                stats_logger.exception("cannot read the engine's stats; no more stats lines")
+                return
             line = self.line(stats, time.monotonic())
             if line is not None:
                 self.log(line)

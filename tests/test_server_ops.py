@@ -112,8 +112,15 @@ def test_serve_flags_reach_the_settings(monkeypatch):
     assert seen["allowed_origins"] == ("http://a.com", "http://b.org") and seen["api_key"] == "from-vllm"
     runner.invoke(app, ["serve"], env={"VLLM_API_KEY": "from-vllm", "WEIR_API_KEY": "from-weir"})
     assert seen["api_key"] == "from-weir" and seen["log_stats"] is True
-    runner.invoke(app, ["serve", "--api-key", "given"], env={"VLLM_API_KEY": "from-vllm"})
-    assert seen["api_key"] == "given"
+    runner.invoke(app, ["serve", "--api-key", "given"], env={"VLLM_API_KEY": "from-vllm",
+                                                             "VLLM_LOG_STATS_INTERVAL": "4"})
+    assert seen["api_key"] == "given" and seen["log_stats_interval"] == 4.0
+
+
+@pytest.mark.parametrize("interval", [0, -1, float("nan")])
+def test_a_stats_interval_that_is_no_positive_number_is_refused(interval):
+    with pytest.raises(ValueError, match="log_stats_interval must be a positive number of seconds"):
+        ServerSettings(log_stats_interval=interval)
 
 
 @pytest.mark.parametrize("text, message", [("[not json", "not valid JSON"), ('{"a": 1}', "JSON list of strings"),
