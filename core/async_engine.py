@@ -40,7 +40,6 @@ class EngineCounters:
     """Running totals the engine thread bumps once per step, for the stats line and /metrics.
     Plain ints, so any thread may read them without a lock (each read is one whole value)."""
 
-    num_steps: int = 0
     prompt_tokens: int = 0  # prompts of requests whose first token came out: their prefill is done
     generation_tokens: int = 0
 
@@ -255,7 +254,6 @@ class AsyncLLMEngine:
             return
         deliveries: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         counters = self.counters
-        counters.num_steps += 1
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:

@@ -17,13 +17,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 
+stats_logger = logging.getLogger("weir.stats")
+
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
                0.75, 1.0, 2.5, 5.0)
 TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-stats_logger = logging.getLogger("weir.stats")
-
 E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
 
 
@@ -78,8 +78,8 @@ class ServerMetrics:
                                        registry=registry)
         self.ttft = Histogram("weir:time_to_first_token_seconds", "Time from arrival to the first token",
                               buckets=TTFT_BUCKETS, registry=registry)
-        self.itl = Histogram("weir:inter_token_latency_seconds", "Time between successive output tokens",
-                             buckets=ITL_BUCKETS, registry=registry)
+        self.itl = Histogram("weir:inter_token_latency_seconds", "Time between successive output tokens, as "
+                             "the server hands them out", buckets=ITL_BUCKETS, registry=registry)
         self.tpot = Histogram("weir:time_per_output_token_seconds", "Mean time between output tokens, "
                               "per completion (vllm:request_time_per_output_token_seconds)", buckets=TPOT_BUCKETS,
                               registry=registry)
