@@ -213,3 +213,13 @@ def test_generation_tokens_move_while_the_request_runs_under_both_names(ops_serv
     assert metric(after, "vllm:request_success_total", finished_reason="length", **VLLM_LABELS) >= 1
     assert delta(after, "vllm:request_time_per_output_token_seconds_count", **VLLM_LABELS) == 1
     assert ("vllm:kv_cache_usage_perc", tuple(sorted(VLLM_LABELS.items()))) in after
+
+
+def test_engine_counters_count_each_prompt_once_and_every_completion_token(ops_server):
+    port, engine = ops_server
+    before = (engine.counters.prompt_tokens, engine.counters.generation_tokens)
+    status, body = request("POST", port, "/v1/completions",
+                           {"prompt": "abc", "max_tokens": 5, "n": 2, "ignore_eos": True})
+    assert status == 200, body
+    after = (engine.counters.prompt_tokens, engine.counters.generation_tokens)
+    assert (after[0] - before[0], after[1] - before[1]) == (body["usage"]["prompt_tokens"], 2 * 5)
