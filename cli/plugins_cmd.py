@@ -81,21 +81,53 @@ def describe_plugins(registry: PluginRegistry) -> list[dict[str, Any]]:
     return rows
 
 
-def _print_table(rows: list[dict[str, Any]]) -> None:
+_COLUMNS = ("kind", "name", "provider", "target", "available")
+# Never broken across lines: a name or target cut in two cannot be found or copied.
+_UNBROKEN = ("name", "target")
+
+
+def _cells(row: dict[str, Any]) -> dict[str, str]:
+    if row["available"]:
+        available = "yes (active)" if row["active"] else "yes"
+    else:
+        available = f"no: {row['reason']}" if row["reason"] else "no"
+    kind = f"{row['kind']} ({', '.join(row['layer_kinds'])})" if row["layer_kinds"] else row["kind"]
+    return {"kind": kind, "name": row["name"], "provider": row["provider"], "target": row["target"],
+            "available": available}
+
+
+def plain_rows(rows: list[dict[str, Any]]) -> str:
+    """Aligned columns, one entry per line, nothing wrapped: for pipes, files and narrow terminals."""
+    table = [dict(zip(_COLUMNS, _COLUMNS))] + [_cells(row) for row in rows]
+    widths = {column: max(len(cells[column]) for cells in table) for column in _COLUMNS}
+    lines = ["  ".join(cells[column].ljust(widths[column]) for column in _COLUMNS).rstrip() for cells in table]
+    return "\n".join(lines)
+
+
+def _table_fits(rows: list[dict[str, Any]], width: int) -> bool:
+    """Whether a boxed table leaves the other columns room beside unbroken names and targets."""
+    cells = [_cells(row) for row in rows]
+    unbroken = sum(max(len(column), *(len(c[column]) for c in cells)) for column in _UNBROKEN)
+    others = sum(min(12, max(len(c[column]) for c in cells)) for column in _COLUMNS if column not in _UNBROKEN)
+    return unbroken + others + 3 * len(_COLUMNS) + 1 <= width
+
+
+def print_listing(rows: list[dict[str, Any]], console=None) -> None:
+    """A boxed table on a terminal wide enough for it; plain rows otherwise."""
     from rich.console import Console
     from rich.table import Table
 
+    console = console or Console()
+    if not console.is_terminal or not _table_fits(rows, console.width):
+        # soft_wrap: the terminal, not rich, decides where an over-long line continues.
+        console.print(plain_rows(rows), soft_wrap=True, markup=False, highlight=False)
+        return
     table = Table(title="Weir plugins")
-    for column in ("kind", "name", "provider", "target", "available"):
-        table.add_column(column, overflow="fold")
+    for column in _COLUMNS:
+        table.add_column(column, no_wrap=column in _UNBROKEN, overflow="fold")
     for row in rows:
-        if row["available"]:
-            available = "yes (active)" if row["active"] else "yes"
-        else:
-            available = f"no: {row['reason']}" if row["reason"] else "no"
-        kind = f"{row['kind']} ({', '.join(row['layer_kinds'])})" if row["layer_kinds"] else row["kind"]
-        table.add_row(kind, row["name"], row["provider"], row["target"], available)
-    Console().print(table)
+        table.add_row(*_cells(row).values())
+    console.print(table)
 
 
 def plugins(
@@ -111,4 +143,4 @@ def plugins(
     if json_output:
         typer.echo(json.dumps(rows, indent=2))
     else:
-        _print_table(rows)
+        print_listing(rows)

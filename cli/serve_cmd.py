@@ -10,11 +10,14 @@ import typer
 
 from weir.cli.engine_options import with_engine_options
 from weir.server.settings import (
+    API_KEY_ENV_VARS,
+    DEFAULT_LOG_STATS_INTERVAL,
     DEFAULT_MAX_NUM_QUEUED_REQS,
     DEFAULT_MAX_NUM_QUEUED_TOKENS,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_SHUTDOWN_GRACE_SECONDS,
     ServerSettings,
+    parse_allowed_origins,
 )
 
 logger = logging.getLogger("weir.serve")
@@ -56,8 +59,9 @@ def serve(
                                        help="checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct)"),
     host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0: every interface)"),
     port: int = typer.Option(8000, min=0, max=65535, help="port to listen on (0: any free port)"),
-    api_key: str | None = typer.Option(None, envvar="WEIR_API_KEY",
-                                       help="require 'Authorization: Bearer KEY' on /v1 (env WEIR_API_KEY)"),
+    api_key: str | None = typer.Option(None, envvar=list(API_KEY_ENV_VARS), show_envvar=False,
+                                       help="require 'Authorization: Bearer KEY' on /v1 (default: env "
+                                            "WEIR_API_KEY, else VLLM_API_KEY)"),
     max_num_queued_reqs: int = typer.Option(DEFAULT_MAX_NUM_QUEUED_REQS,
                                             help="requests in flight at most; past it: 503"),
     max_num_queued_tokens: int = typer.Option(DEFAULT_MAX_NUM_QUEUED_TOKENS,
@@ -68,14 +72,20 @@ def serve(
                                                  help="on SIGINT/SIGTERM, how long in-flight requests may "
                                                       "run on before they are aborted"),
     uvicorn_log_level: str = typer.Option("info", help="uvicorn's log level (critical ... trace)"),
-    allowed_origins: str = typer.Option("*", help="browser origins allowed to call the API (CORS), "
-                                                  "comma-separated; '*': any"),
+    allowed_origins: str = typer.Option("*", help="browser origins allowed to call the API (CORS): a JSON "
+                                                  "list as vLLM takes it, or comma-separated; '*': any"),
     enable_auto_tool_choice: bool = typer.Option(False, help="serve tool_choice 'auto': parse the model's tool "
                                                              "calls into tool_calls (needs --tool-call-parser)"),
     tool_call_parser: str | None = typer.Option(None, help="the model's tool-call format: hermes (Qwen, "
                                                           "NousResearch: <tool_call>{json}</tool_call>)"),
     reasoning_parser: str | None = typer.Option(None, help="qwen3: a reply's <think>...</think> part goes to "
                                                           "the message's reasoning_content"),
+    # Stats logging, named as vLLM's.
+    disable_log_stats: bool = typer.Option(False, "--disable-log-stats",
+                                           help="no periodic stats line (throughput, running/waiting, KV cache)"),
+    log_stats_interval: float = typer.Option(DEFAULT_LOG_STATS_INTERVAL, envvar="VLLM_LOG_STATS_INTERVAL",
+                                             help="seconds between stats lines (one is logged only when "
+                                                  "requests ran in the interval)"),
     engine_options: dict | None = None,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)."""
@@ -92,9 +102,10 @@ def serve(
                                   max_request_body_bytes=max_request_body_bytes,
                                   shutdown_grace_seconds=shutdown_grace_seconds,
                                   uvicorn_log_level=uvicorn_log_level,
-                                  allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
+                                  allowed_origins=parse_allowed_origins(allowed_origins),
                                   enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
-                                  reasoning_parser=reasoning_parser)
+                                  reasoning_parser=reasoning_parser, log_stats=not disable_log_stats,
+                                  log_stats_interval=log_stats_interval)
         sock = _bind(host, port)
         engine = AsyncLLMEngine.from_options(model, **(engine_options or {}))
     except (ValueError, RuntimeError, FileNotFoundError) as error:

@@ -15,6 +15,7 @@ import queue
 import threading
 from collections import defaultdict
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from weir.engine import LLMEngine
 from weir.outputs import RequestOutput
@@ -34,6 +35,15 @@ class RequestFailedError(RuntimeError):
 _CLOSED = object()  # put in a stream that was closed or aborted: its reader stops
 
 
+@dataclass
+class EngineCounters:
+    """Running totals the engine thread bumps once per step, for the stats line and /metrics.
+    Plain ints, so any thread may read them without a lock (each read is one whole value)."""
+
+    prompt_tokens: int = 0  # prompts of requests whose first token came out: their prefill is done
+    generation_tokens: int = 0
+
+
 class RequestStream:
     """One admitted request's outputs, each cumulative (text and token ids so far).
 
@@ -49,6 +59,7 @@ class RequestStream:
         self._unread: object = None  # the newest RequestOutput, an exception that ends it, or _CLOSED
         self._ready = asyncio.Event()
         self.finished = False
+        self.num_tokens_delivered = 0  # over all completions; touched by the engine thread only
 
     def put(self, item: object) -> None:
         """On the stream's event loop: a new output, an exception or _CLOSED. An ending that is
@@ -90,6 +101,7 @@ class AsyncLLMEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._num_adding = 0  # adds sent and not yet answered (counted on the event loop)
+        self.counters = EngineCounters()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weir-engine", daemon=True)
         self._thread.start()
@@ -241,10 +253,16 @@ class AsyncLLMEngine:
             self._fail(failed, RequestFailedError(f"the engine failed while running this request: {error!r}"))
             return
         deliveries: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        counters = self.counters
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
+            num_tokens = sum(len(completion.token_ids) for completion in output.outputs)
+            if num_tokens and not stream.num_tokens_delivered:
+                counters.prompt_tokens += len(output.prompt_token_ids)
+            counters.generation_tokens += num_tokens - stream.num_tokens_delivered
+            stream.num_tokens_delivered = num_tokens
             if output.finished:
                 del self._streams[output.request_id]
             deliveries[stream.loop].append((stream, output))

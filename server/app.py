@@ -20,6 +20,7 @@ from weir.server import info
 from weir.server.chat import create_chat_completion
 from weir.server.completions import create_completion
 from weir.server.errors import APIError
+from weir.server.metrics import StatsLogger
 from weir.server.responses import create_response
 from weir.server.settings import ServerSettings
 from weir.server.state import ServerState
@@ -93,9 +94,17 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> Starlette:
     routes = [Route(path, _endpoint(state, handler, path, protected), methods=[method])
               for path, handler, method, protected in table]
 
+    state.metrics.follow_engine(engine.counters, state.served_model_name)
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        yield
+        stats = StatsLogger(engine, settings.log_stats_interval) if settings.log_stats else None
+        stats_task = asyncio.create_task(stats.run(), name="weir-stats") if stats else None
+        try:
+            yield
+        finally:
+            if stats_task is not None:
+                stats_task.cancel()
         # uvicorn has already let in-flight requests finish (or cancelled them past the grace
         # period), so what is left to do is stop the engine thread.
         await engine.shutdown(grace_seconds=0.0)

@@ -46,9 +46,8 @@ class Generation:
             self.close(reason="error")
             raise
         self.latest = output
-        if self.record.first_token_time is None and any(c.token_ids for c in output.outputs):
+        if self.metrics.tokens_arrived(self.record, [len(c.token_ids) for c in output.outputs]):
             self.ticket.started()
-            self.metrics.first_token(self.record)
         if output.finished:
             self.close()
         return output

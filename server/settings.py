@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 DEFAULT_MAX_NUM_QUEUED_REQS = 1024
@@ -9,6 +10,23 @@ DEFAULT_MAX_NUM_QUEUED_TOKENS = 1 << 20
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
 DEFAULT_SHUTDOWN_GRACE_SECONDS = 10.0
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+DEFAULT_LOG_STATS_INTERVAL = 10.0  # seconds between stats lines, as vLLM's
+# Environment variables --api-key falls back to, in order: Weir's own, then vLLM's.
+API_KEY_ENV_VARS = ("WEIR_API_KEY", "VLLM_API_KEY")
+
+
+def parse_allowed_origins(text: str) -> tuple[str, ...]:
+    """``--allowed-origins``: a JSON list as vLLM takes it (``'["http://a.com"]'``), or
+    comma-separated origins."""
+    if not text.lstrip().startswith(("[", "{")):
+        return tuple(origin.strip() for origin in text.split(",") if origin.strip())
+    try:
+        origins = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--allowed-origins {text!r} is not valid JSON: {error}") from None
+    if not isinstance(origins, list) or not all(isinstance(origin, str) for origin in origins):
+        raise ValueError(f"--allowed-origins {text!r} must be a JSON list of strings")
+    return tuple(origins)
 
 
 @dataclass(frozen=True)
@@ -27,6 +45,9 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None  # "qwen3": <think>...</think> goes to reasoning_content
+    # The periodic stats line (throughput, queue, KV cache), logged only while something happens.
+    log_stats: bool = True
+    log_stats_interval: float = DEFAULT_LOG_STATS_INTERVAL
 
     @property
     def auto_tool_call_parser(self) -> str | None:
@@ -53,5 +74,7 @@ class ServerSettings:
             raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser hermes)")
+        if not self.log_stats_interval > 0:
+            raise ValueError(f"log_stats_interval must be a positive number of seconds, got {self.log_stats_interval}")
         if self.shutdown_grace_seconds < 0:
             raise ValueError(f"shutdown_grace_seconds must be >= 0, got {self.shutdown_grace_seconds}")

@@ -2,7 +2,9 @@
 
 Runs in-process (starlette + uvicorn on 127.0.0.1, a free port) in a background thread; it
 streams one chunk per token, ends with a finish chunk and (optionally) a usage chunk, and records every
-request body, its arrival time and the most streams it had open at once.
+request body, its arrival time and the most streams it had open at once. Run as a script
+(``python bench_fake_server.py MODEL --port P ...``, other options ignored) it stands in for a
+peer server process.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 FAKE_MODEL = "fake-model"
+FAKE_VERSION = "0.0.fake"
 TOKEN_DELAY_SECONDS = 0.004
 
 
@@ -41,6 +44,12 @@ def _app(state: FakeServerState):
 
     async def models(request):
         return JSONResponse({"object": "list", "data": [{"id": FAKE_MODEL, "object": "model"}]})
+
+    async def health(request):
+        return JSONResponse({})
+
+    async def version(request):
+        return JSONResponse({"version": FAKE_VERSION})
 
     async def generate(request):
         body = await request.json()
@@ -87,6 +96,8 @@ def _app(state: FakeServerState):
 
     return Starlette(routes=[
         Route("/v1/models", models),
+        Route("/health", health),
+        Route("/version", version),
         Route("/v1/completions", generate, methods=["POST"]),
         Route("/v1/chat/completions", generate, methods=["POST"]),
     ])
@@ -121,3 +132,15 @@ class FakeOpenAIServer:
     def __exit__(self, *exc_info) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=10)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    import uvicorn
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    options, _ = parser.parse_known_args()
+    uvicorn.run(_app(FakeServerState()), host=options.host, port=options.port, log_level="warning")

@@ -7,6 +7,7 @@ import json
 import random
 import re
 import sys
+import types
 
 import pytest
 import torch
@@ -181,9 +182,10 @@ def test_decode_weight_bytes_count_only_the_experts_a_step_reaches():
 def test_serve_completions_token_ids_and_save_result(fake_server, tmp_path):
     pytest.importorskip("matplotlib", reason="--save-result draws its PNG with the [bench] extra")
     fake_server.state.reset(fail_every=3)
-    result_file = tmp_path / "serve.json"
+    result_file = tmp_path / "out" / "serve.json"
     result = _invoke("serve", "--base-url", fake_server.base_url, "--num-prompts", "6", "--random-input-len", "12",
-                     "--random-output-len", "5", "--ignore-eos", "--save-result", result_file)
+                     "--random-output-len", "5", "--ignore-eos", "--save-result", "--save-detailed",
+                     "--result-dir", tmp_path / "out", "--result-filename", "serve.json")
     assert result.exit_code == 0, result.output
     assert re.search(r"Successful requests\s+4\n", result.output)
     assert re.search(r"Failed requests\s+2\n", result.output)
@@ -197,16 +199,38 @@ def test_serve_completions_token_ids_and_save_result(fake_server, tmp_path):
         assert body["stream"] is True and body["ignore_eos"] is True and body["max_tokens"] == 5
         assert len(body["prompt"]) == 12 and all(isinstance(token, int) for token in body["prompt"])
     record = json.loads(result_file.read_text())
-    assert (record["successful_requests"], record["failed_requests"]) == (4, 2)
-    assert record["total_output_tokens"] == 4 * 5 and record["total_prompt_tokens"] == 4 * 12
-    samples = record["samples_ms"]
-    assert len(samples["ttft"]) == len(samples["e2el"]) == len(samples["tpot"]) == 4
-    assert len(samples["itl"]) == 4 * (5 - 1)  # the finish and usage chunks are not tokens
-    assert all(ttft < e2e for ttft, e2e in zip(samples["ttft"], samples["e2el"]))
-    assert min(samples["e2el"]) >= 0.9 * 5 * TOKEN_DELAY_SECONDS * 1e3  # the server sleeps before each token
-    assert sum(samples["itl"]) <= sum(e2e - ttft for ttft, e2e in zip(samples["ttft"], samples["e2el"])) + 1e-6
-    assert all("HTTP 500" in error for error in record["errors"]) and len(record["errors"]) == 2
+    # vLLM's names, so its tooling reads Weir's results
+    assert (record["completed"], record["failed"], record["num_prompts"]) == (4, 2, 6)
+    assert record["total_output_tokens"] == 4 * 5 and record["total_input_tokens"] == 4 * 12
+    assert record["output_throughput"] == pytest.approx(record["total_output_tokens"] / record["duration"])
+    assert record["request_rate"] == "inf" and record["model_id"] == FAKE_MODEL and record["backend"] == "openai"
+    done = [index for index, error in enumerate(record["errors"]) if not error]
+    assert len(done) == 4 and all("HTTP 500" in record["errors"][i] for i in set(range(6)) - set(done))
+    ttfts, latencies, itls = (record["ttfts"], record["latencies"], record["itls"])
+    assert [record["output_lens"][i] for i in done] == [5] * 4 and [len(itls[i]) for i in done] == [4] * 4
+    assert all(0 < ttfts[i] < latencies[i] for i in done)
+    assert min(latencies[i] for i in done) >= 0.9 * 5 * TOKEN_DELAY_SECONDS  # the server sleeps before each token
+    assert record["mean_ttft_ms"] == pytest.approx(1e3 * sum(ttfts[i] for i in done) / 4)
+    tpots = [(latencies[i] - ttfts[i]) * 1e3 / 4 for i in done]
+    assert record["median_tpot_ms"] == pytest.approx(sorted(tpots)[1] / 2 + sorted(tpots)[2] / 2)
+    assert record["p99_itl_ms"] <= 1e3 * max(gap for i in done for gap in itls[i]) + 1e-6
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        assert {f"mean_{name}_ms", f"median_{name}_ms", f"std_{name}_ms", f"p99_{name}_ms"} <= set(record)
     assert result_file.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_serve_save_result_names_the_file_as_vllm(fake_server, tmp_path, monkeypatch):
+    fake_server.state.reset()
+    monkeypatch.chdir(tmp_path)
+    result = _invoke("serve", "--base-url", fake_server.base_url, "--num-prompts", "2", "--random-input-len", "3",
+                     "--random-output-len", "2", "--request-rate", "50", "--max-concurrency", "2",
+                     "--save-result", "--no-plot")
+    assert result.exit_code == 0, result.output
+    [written] = list(tmp_path.iterdir())
+    assert re.fullmatch(rf"openai-50\.0qps-concurrency2-{FAKE_MODEL}-\d{{8}}-\d{{6}}\.json", written.name)
+    record = json.loads(written.read_text())
+    assert record["request_rate"] == 50.0 and record["max_concurrency"] == 2 and record["completed"] == 2
+    assert "ttfts" not in record  # per-request lists only with --save-detailed, as vLLM
 
 
 def test_serve_chat_respects_max_concurrency(fake_server):
@@ -246,7 +270,7 @@ def test_serve_save_result_without_matplotlib_fails_before_sending(fake_server, 
     fake_server.state.reset()
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
     result = _invoke("serve", "--base-url", fake_server.base_url, "--num-prompts", "2",
-                     "--save-result", tmp_path / "r.json")
+                     "--save-result", "--result-dir", tmp_path)
     assert result.exit_code == 1
     assert "pip install 'weir-engine[bench]'" in result.output
     assert fake_server.state.bodies == []
@@ -256,6 +280,7 @@ def test_serve_save_result_without_matplotlib_fails_before_sending(fake_server, 
     (["--request-rate", "fast"], "--request-rate must be"),
     (["--request-rate", "0"], "--request-rate must be"),
     (["--endpoint", "/v1/embeddings"], "--endpoint must be one of"),
+    (["--result-dir", "out"], "need --save-result"),
 ])
 def test_serve_rejects_bad_options(fake_server, args, message):
     result = _invoke("serve", "--base-url", fake_server.base_url, *args)
@@ -278,3 +303,34 @@ def test_chat_chunks_with_empty_content_are_token_arrivals():
     assert _token_text({"delta": {"content": "hi"}}, is_chat=True) == "hi"
     assert _token_text({"text": ""}, is_chat=False) == ""
     assert _token_text({"text": "", "finish_reason": "length"}, is_chat=False) is None
+
+
+class _FailingImport:
+    """A meta-path finder that makes importing ``names`` raise ``error`` (not only ImportError)."""
+
+    def __init__(self, names: set[str], error: Exception):
+        self.names, self.error = names, error
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in self.names:
+            raise self.error
+        return None
+
+
+@pytest.mark.parametrize("error", [ModuleNotFoundError("No module named 'truststore'"),
+                                   AttributeError("half-installed")])
+def test_serve_falls_back_to_httpx_when_httpx2_is_broken(monkeypatch, error):
+    """httpx2 imports without its transport (httpcore2, which needs truststore): it must count
+    as missing then, whatever its import raises, and httpx serve instead."""
+    from weir.cli.bench.serve_client import http_module
+
+    fake_httpx = types.ModuleType("httpx")
+    for name in ("httpcore2", "httpx", "httpcore"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setitem(sys.modules, "httpx", fake_httpx)
+    monkeypatch.setitem(sys.modules, "httpcore", types.ModuleType("httpcore"))
+    monkeypatch.setattr(sys, "meta_path", [_FailingImport({"httpcore2"}, error), *sys.meta_path])
+    assert http_module() is fake_httpx
+    monkeypatch.setitem(sys.modules, "httpx", None)  # neither works: the error names both
+    with pytest.raises(RuntimeError, match=r"pip install httpx \(httpx2: .*; httpx: "):
+        http_module()

@@ -354,3 +354,46 @@ def test_weir_plugins_restriction_is_named_when_something_is_missing(monkeypatch
         registry.select_platform("cpu")
     with pytest.raises(RuntimeError, match="no platform plugin is registered \\(WEIR_PLUGINS="):
         registry.select_platform(None)
+
+
+def _whole_on_some_line(text: str, value: str) -> bool:
+    return any(value in line for line in text.splitlines())
+
+
+@pytest.mark.parametrize("columns", ["40", "200"])
+def test_cli_plugins_in_a_pipe_prints_plain_rows_that_break_no_name(columns):
+    """Not a terminal (a pipe, a file): one aligned row per entry, whatever COLUMNS says."""
+    result = CliRunner().invoke(app, ["plugins"], env={"COLUMNS": columns})
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["kind", "name", "provider", "target", "available"]
+    assert not any(ch in result.stdout for ch in "┃│━")  # no box drawing
+    rows = describe_rows()
+    assert len(lines) == 1 + len(rows)
+    for line, row in zip(lines[1:], rows):
+        assert row["name"] in line.split() and row["target"] in line.split(), line
+
+
+def describe_rows():
+    from weir.cli.plugins_cmd import describe_plugins
+
+    return describe_plugins(load_plugins())
+
+
+@pytest.mark.parametrize("width, boxed", [(60, False), (250, True)])
+def test_cli_plugins_on_a_terminal_never_breaks_names_or_targets(width, boxed):
+    import io
+
+    from rich.console import Console
+
+    from weir.cli.plugins_cmd import print_listing
+
+    rows = describe_rows()
+    out = io.StringIO()
+    print_listing(rows, Console(file=out, width=width, force_terminal=True, color_system=None))
+    text = out.getvalue()
+    for row in rows:
+        assert _whole_on_some_line(text, row["name"]) and _whole_on_some_line(text, row["target"]), (width, row)
+    assert ("┃" in text) == boxed  # a box only where names and targets fit unbroken beside the rest
+    if boxed:
+        assert max(len(line) for line in text.splitlines()) <= width

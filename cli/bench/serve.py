@@ -13,7 +13,7 @@ import typer
 
 from weir.cli.bench.common import check_writable, fail, write_json
 from weir.cli.bench.serve_client import Workload, build_payloads, first_model_name, http_module, run_requests
-from weir.cli.bench.serve_report import (latency_samples, plot_latencies, print_summary,
+from weir.cli.bench.serve_report import (latency_samples, per_request_details, plot_latencies, print_summary,
                                          require_matplotlib, summarize)
 
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
@@ -52,23 +52,42 @@ def serve(
     token_ids: bool = typer.Option(True, "--token-ids/--text",
                                    help="/v1/completions prompts as token ids (exact lengths) or as text"),
     timeout: float = typer.Option(3600.0, min=1, help="seconds a request may wait on the server"),
-    save_result: Path | None = typer.Option(None, help="write the results as JSON here, plus a PNG "
-                                                       "plot of the latency distributions beside it"),
+    save_result: bool = typer.Option(False, "--save-result", help="write the results as JSON (vLLM's key "
+                                     "names), plus a PNG plot of the latency distributions beside it"),
+    save_detailed: bool = typer.Option(False, "--save-detailed", help="with --save-result: also each "
+                                       "request's lengths, TTFT, ITLs, latency and error"),
+    result_dir: Path | None = typer.Option(None, help="folder of the --save-result file (default: here)"),
+    result_filename: str | None = typer.Option(None, help="name of the --save-result file (default: "
+                                               "LABEL-RATEqps[-concurrencyN]-MODEL-DATE.json, as vLLM)"),
+    label: str | None = typer.Option(None, help="prefix of the default result file name (default: openai, "
+                                     "or openai-chat for /v1/chat/completions)"),
+    plot: bool = typer.Option(True, "--plot/--no-plot", help="with --save-result: draw the PNG (matplotlib)"),
 ) -> None:
     """Benchmark a running OpenAI-compatible server with streaming requests."""
-    check_writable(save_result, "--save-result")
+    started = datetime.datetime.now()
     try:
         rate = parse_request_rate(request_rate)
         if endpoint not in _ENDPOINTS:
             raise ValueError(f"--endpoint must be one of {', '.join(_ENDPOINTS)}, got {endpoint!r}")
+        if not save_result and (result_dir or result_filename or save_detailed):
+            raise ValueError("--result-dir, --result-filename and --save-detailed need --save-result")
         http_module()  # no HTTP client: say so now, not after the run is set up
-        if save_result is not None:
+        if save_result and plot:
             require_matplotlib()
-        served_model = model or asyncio.run(first_model_name(base_url, timeout))
     except (ValueError, RuntimeError) as error:
+        fail(str(error))
+    backend = "openai-chat" if endpoint == "/v1/chat/completions" else "openai"
+    try:
+        served_model = model or asyncio.run(first_model_name(base_url, timeout))
+    except RuntimeError as error:
         fail(str(error))
     except Exception as error:  # noqa: BLE001 - connection failures of any HTTP library
         fail(f"cannot reach {base_url}: {type(error).__name__}: {error}")
+    result_path = None
+    if save_result:
+        result_path = result_file_path(result_dir, result_filename, label or backend, rate, max_concurrency,
+                                       served_model, started)
+        check_writable(result_path, "--save-result")
     workload = Workload(endpoint, served_model, random_input_len, random_output_len, ignore_eos,
                         temperature, token_ids)
     payloads = build_payloads(workload, num_prompts, seed)
@@ -79,20 +98,31 @@ def serve(
                                                      seed, timeout, lambda: bar.update(1)))
     summary = summarize(results, duration)
     print_summary(summary, [result.error for result in results if not result.success])
-    if save_result is not None:
-        samples = latency_samples(results)
+    if result_path is not None:
         record = {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "base_url": base_url, "num_prompts": num_prompts, "request_rate": request_rate,
-            "max_concurrency": max_concurrency, "seed": seed, **dataclasses.asdict(workload),
-            **summary, "samples_ms": samples,
-            "output_tokens": [result.output_tokens for result in results],
-            "errors": [result.error for result in results if not result.success],
+            "date": started.strftime("%Y%m%d-%H%M%S"), "backend": backend, "label": label or backend,
+            "model_id": served_model, "tokenizer_id": None, "num_prompts": num_prompts,
+            "request_rate": rate if math.isfinite(rate) else "inf", "burstiness": 1.0,
+            "max_concurrency": max_concurrency, "base_url": base_url, "seed": seed,
+            **dataclasses.asdict(workload), **summary,
         }
-        write_json(save_result, record)
-        plot_path = save_result.with_suffix(".png")
-        plot_latencies(samples, plot_path, f"{served_model} at {base_url}: {num_prompts} requests, "
-                                           f"rate {request_rate}")
-        typer.echo(f"wrote {plot_path}")
-    if summary["successful_requests"] == 0:
+        if save_detailed:
+            record.update(per_request_details(results))
+        write_json(result_path, record)
+        if plot:
+            plot_path = result_path.with_suffix(".png")
+            plot_latencies(latency_samples(results), plot_path,
+                           f"{served_model} at {base_url}: {num_prompts} requests, rate {request_rate}")
+            typer.echo(f"wrote {plot_path}")
+    if summary["completed"] == 0:
         fail("every request failed")
+
+
+def result_file_path(result_dir: Path | None, result_filename: str | None, label: str, rate: float,
+                     max_concurrency: int | None, served_model: str, started: datetime.datetime) -> Path:
+    """Where --save-result writes: vLLM's default name, or the one given, in --result-dir."""
+    if result_filename is None:
+        concurrency = f"-concurrency{max_concurrency}" if max_concurrency is not None else ""
+        base_model = served_model.rstrip("/").split("/")[-1]
+        result_filename = f"{label}-{rate}qps{concurrency}-{base_model}-{started.strftime('%Y%m%d-%H%M%S')}.json"
+    return (result_dir or Path(".")) / result_filename

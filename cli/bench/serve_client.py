@@ -11,6 +11,7 @@ estimate (a server may put several tokens in one chunk), and the summary says so
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import random
 import time
@@ -28,16 +29,24 @@ _WORDS = ("the of and to in is was for on that with as by at from his her they h
           "year live me back give most very after thing our just name good sentence man think say").split()
 
 
+# (client, the transport it needs): httpx2 imports its transport only when a client is built, so
+# an install without httpcore2 (or its truststore) imports fine and fails on the first request.
+_HTTP_CLIENTS = (("httpx2", "httpcore2"), ("httpx", "httpcore"))
+
+
 def http_module() -> Any:
-    """The httpx API: ``httpx2`` (what huggingface_hub installs) or ``httpx``."""
-    try:
-        import httpx2 as httpx
-    except ImportError:
+    """The httpx API: ``httpx2`` (what huggingface_hub installs) or ``httpx``, the first whose
+    import and transport import both work."""
+    failures = []
+    for name, transport in _HTTP_CLIENTS:
         try:
-            import httpx
-        except ImportError:
-            raise RuntimeError("weir bench serve needs an HTTP client: pip install httpx") from None
-    return httpx
+            module = importlib.import_module(name)
+            importlib.import_module(transport)
+        except Exception as error:  # noqa: BLE001 - a broken install fails in any way; try the next
+            failures.append(f"{name}: {type(error).__name__}: {error}")
+            continue
+        return module
+    raise RuntimeError("weir bench serve needs an HTTP client: pip install httpx (" + "; ".join(failures) + ")")
 
 
 @dataclass

@@ -33,34 +33,47 @@ def latency_samples(results: list[RequestResult]) -> dict[str, list[float]]:
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
+    """The run's figures under the key names of vLLM's ``bench serve`` result JSON."""
     done = [result for result in results if result.success]
     output_tokens = sum(result.output_tokens for result in done)
     prompt_tokens = sum(result.prompt_tokens for result in done)
     summary: dict[str, Any] = {
-        "output_tokens_estimated": any(result.output_tokens_estimated for result in done),
-        "duration_seconds": duration, "successful_requests": len(done),
-        "failed_requests": len(results) - len(done),
-        "total_prompt_tokens": prompt_tokens, "total_output_tokens": output_tokens,
+        "duration": duration, "completed": len(done), "failed": len(results) - len(done),
+        "total_input_tokens": prompt_tokens, "total_output_tokens": output_tokens,
         "request_throughput": len(done) / duration,
-        "output_token_throughput": output_tokens / duration,
+        "output_throughput": output_tokens / duration,
         "total_token_throughput": (prompt_tokens + output_tokens) / duration,
+        "output_tokens_estimated": any(result.output_tokens_estimated for result in done),
     }
     for name, samples in latency_samples(results).items():
         summary[f"mean_{name}_ms"] = statistics.fmean(samples) if samples else float("nan")
         summary[f"median_{name}_ms"] = statistics.median(samples) if samples else float("nan")
+        summary[f"std_{name}_ms"] = statistics.pstdev(samples) if samples else float("nan")
         summary[f"p99_{name}_ms"] = percentiles(samples, (99,))["p99"]
     return summary
 
 
+def per_request_details(results: list[RequestResult]) -> dict[str, list]:
+    """vLLM's per-request lists (``--save-detailed``), in request order, seconds as vLLM keeps them."""
+    return {
+        "input_lens": [result.prompt_tokens for result in results],
+        "output_lens": [result.output_tokens for result in results],
+        "ttfts": [result.ttft for result in results],
+        "itls": [result.itl for result in results],
+        "latencies": [result.e2e for result in results],
+        "errors": [result.error for result in results],
+    }
+
+
 def print_summary(summary: dict[str, Any], errors: list[str]) -> None:
     rows = [
-        ("Successful requests", f"{summary['successful_requests']}"),
-        ("Failed requests", f"{summary['failed_requests']}"),
-        ("Benchmark duration (s)", f"{summary['duration_seconds']:.2f}"),
-        ("Total prompt tokens", f"{summary['total_prompt_tokens']}"),
+        ("Successful requests", f"{summary['completed']}"),
+        ("Failed requests", f"{summary['failed']}"),
+        ("Benchmark duration (s)", f"{summary['duration']:.2f}"),
+        ("Total prompt tokens", f"{summary['total_input_tokens']}"),
         ("Total output tokens", f"{summary['total_output_tokens']}"),
         ("Request throughput (req/s)", f"{summary['request_throughput']:.2f}"),
-        ("Output token throughput (tok/s)", f"{summary['output_token_throughput']:.2f}"),
+        ("Output token throughput (tok/s)", f"{summary['output_throughput']:.2f}"),
         ("Total token throughput (tok/s)", f"{summary['total_token_throughput']:.2f}"),
     ]
     for name, meaning in LATENCY_METRICS.items():
