@@ -106,3 +106,28 @@ def assert_steps_do_not_sync(llm: LLM, num_requests: int = 24, num_steps: int = 
     while engine.has_unfinished_requests():
         engine.step()
     assert_nothing_held(llm)
+
+
+@torch.no_grad()
+def hf_greedy_bf16(model, prompt_ids: list[int], num_tokens: int):
+    out = model(input_ids=torch.tensor([prompt_ids], device="cuda"), use_cache=True)
+    tokens, logits = [], []
+    for _ in range(num_tokens):
+        step_logits = out.logits[0, -1].float()
+        logits.append(step_logits)
+        tokens.append(int(step_logits.argmax()))
+        out = model(input_ids=torch.tensor([[tokens[-1]]], device="cuda"),
+                    past_key_values=out.past_key_values, use_cache=True)
+    return tokens, torch.stack(logits)
+
+
+def assert_greedy_parity(weir_tokens, hf_tokens, hf_logits, margin_tol):
+    """Identical until the first difference; a difference is allowed only where transformers'
+    own top-2 margin is within bf16 noise (two near-tied tokens)."""
+    for index, (ours, theirs) in enumerate(zip(weir_tokens, hf_tokens)):
+        if ours != theirs:
+            margin = (hf_logits[index][theirs] - hf_logits[index][ours]).item()
+            assert margin <= margin_tol, f"token {index}: {ours} vs {theirs}, reference margin {margin:.3f}"
+            return index
+    assert len(weir_tokens) == len(hf_tokens)
+    return len(weir_tokens)

@@ -43,6 +43,16 @@ def random_workload(num_prompts: int, input_range: tuple[int, int], output_range
     return prompts, max_tokens
 
 
+def kv_cache_summary(llm) -> dict:
+    """What the KV cache held: tokens every group fits at once, each group's usable blocks, and
+    how often requests were preempted for lack of them."""
+    scheduler = llm.engine.scheduler
+    groups = [{"sliding_window": group.sliding_window, "usable_blocks": pool.num_usable_blocks}
+              for group, pool in zip(scheduler.kv_cache.groups, scheduler.kv_cache.pools)]
+    return {"kv_cache_tokens": scheduler.kv_cache.capacity_tokens, "kv_cache_groups": groups,
+            "num_preemptions": scheduler.num_preemptions}
+
+
 def _lengths(input_len: int | None, output_len: int | None,
              random_range: str | None) -> tuple[tuple[int, int], tuple[int, int]]:
     if random_range is not None:
@@ -103,6 +113,7 @@ def throughput(
         "startup_seconds": startup_seconds,
         "input_range": list(input_range), "output_range": list(output_range),
         "temperature": temperature, "ignore_eos": ignore_eos, "engine_options": engine_options,
+        **kv_cache_summary(llm),
     }
     typer.echo(f"Throughput: {result['requests_per_second']:.2f} requests/s, "
                f"{result['total_tokens_per_second']:.2f} total tokens/s, "

@@ -66,8 +66,12 @@ class KVCacheManager:
 
     @property
     def capacity_tokens(self) -> int:
-        """Tokens every group can hold at once (a windowed group holds only its requests' windows)."""
-        return min(pool.num_usable_blocks for pool in self.pools) * self.block_size
+        """Tokens of context the cache holds for the running requests: what the full-attention
+        groups hold (windowed groups keep only each request's window, so they bound how many
+        requests run, not how long they are), or, for a model windowed everywhere, the tokens its
+        groups hold at once."""
+        full = [pool for group, pool in zip(self.groups, self.pools) if group.sliding_window is None]
+        return min(pool.num_usable_blocks for pool in full or self.pools) * self.block_size
 
     def usage(self) -> float:
         """Fraction of the fullest group's blocks held by running requests (0 to 1)."""
