@@ -1,4 +1,4 @@
-"""One step's inputs, in persistent device buffers.
+"""One step's plan on the host, and its inputs in persistent device buffers.
 
 The host copies ``idx_mapping`` and ``query_start_loc`` in; the input-prep kernels
 (``weir.runner.inputs``) write ids, positions, lengths, every group's block tables and slot
@@ -8,10 +8,14 @@ graph was captured reading the same buffers, so a replay needs no copy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from weir.runner.request_table import RequestTable
+from weir.scheduler.output import SchedulerOutput
 
 
 @dataclass
@@ -35,6 +39,29 @@ class StepPlan:
     @property
     def batch(self) -> int:
         return len(self.padded_rows)
+
+
+def plan_step(out: SchedulerOutput, table: RequestTable, graph_size: Callable[[int], int | None],
+              max_model_len: int) -> StepPlan:
+    """Batch order, rows and lengths of one step; ``graph_size(num_reqs)`` is the CUDA graph a
+    decode batch of that many requests runs in (None: eager). A graph batch is padded with the
+    table's padding row, each padding request owning one token."""
+    req_ids = list(out.num_scheduled_tokens)  # batch order
+    num_reqs = len(req_ids)
+    rows = np.array([table.row_of[req_id] for req_id in req_ids], dtype=np.int64)
+    query_lens = np.array([out.num_scheduled_tokens[req_id] for req_id in req_ids], dtype=np.int64)
+    max_query_len = int(query_lens.max())
+    max_seq_len = int((table.num_computed_host[rows] + query_lens).max())
+    size = graph_size(num_reqs) if max_query_len == 1 else None
+    if size is not None:
+        max_seq_len = max_model_len  # baked into the graph's launches: any length must fit
+    padded_rows = np.full(size or num_reqs, table.padding_row, dtype=np.int64)
+    padded_rows[:num_reqs] = rows
+    query_start_loc = np.arange(len(padded_rows) + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=query_start_loc[1: num_reqs + 1])
+    query_start_loc[num_reqs + 1:] += query_start_loc[num_reqs] - num_reqs
+    return StepPlan(req_ids, rows, query_lens, padded_rows, query_start_loc, int(query_start_loc[-1]),
+                    max_query_len, max_seq_len, size)
 
 
 class InputBuffers:

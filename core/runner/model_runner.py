@@ -37,7 +37,7 @@ from weir.model_interface import check_model_class
 from weir.platform import Platform
 from weir.runner.async_output import AsyncOutput
 from weir.runner.cuda_graphs import CudaGraphs, default_capture_sizes
-from weir.runner.input_buffers import InputBuffers, StepPlan
+from weir.runner.input_buffers import InputBuffers, StepPlan, plan_step
 from weir.runner.inputs import gather_block_tables_and_slot_mapping, post_update, prepare_step_inputs
 from weir.runner.kv_sizing import size_kv_cache
 from weir.runner.layer_caches import LayerCaches
@@ -225,27 +225,13 @@ class ModelRunner:
     def _plan(self, out: SchedulerOutput, graph_mode: str) -> StepPlan:
         if graph_mode not in GRAPH_MODES:
             raise ValueError(f"graph_mode must be one of {GRAPH_MODES}, got {graph_mode!r}")
-        table = self.table
-        req_ids = list(out.num_scheduled_tokens)  # batch order
-        num_reqs = len(req_ids)
-        rows = np.array([table.row_of[req_id] for req_id in req_ids], dtype=np.int64)
-        query_lens = np.array([out.num_scheduled_tokens[req_id] for req_id in req_ids], dtype=np.int64)
-        max_query_len = int(query_lens.max())
-        max_seq_len = int((table.num_computed_host[rows] + query_lens).max())
-        graph_size = None
-        if max_query_len == 1 and graph_mode == "capture":
-            graph_size = num_reqs
-        elif max_query_len == 1 and graph_mode == "auto" and self.graphs is not None:
-            graph_size = self.graphs.padded_size(num_reqs)
-        if graph_size is not None:
-            max_seq_len = self.max_model_len  # baked into the graph's launches: any length must fit
-        padded_rows = np.full(graph_size or num_reqs, table.padding_row, dtype=np.int64)
-        padded_rows[:num_reqs] = rows
-        query_start_loc = np.arange(len(padded_rows) + 1, dtype=np.int32)  # padding requests: one token each
-        np.cumsum(query_lens, out=query_start_loc[1: num_reqs + 1])
-        query_start_loc[num_reqs + 1:] += query_start_loc[num_reqs] - num_reqs
-        return StepPlan(req_ids, rows, query_lens, padded_rows, query_start_loc, int(query_start_loc[-1]),
-                        max_query_len, max_seq_len, graph_size)
+
+        def graph_size(num_reqs: int) -> int | None:
+            if graph_mode == "capture":
+                return num_reqs
+            return self.graphs.padded_size(num_reqs) if graph_mode == "auto" and self.graphs is not None else None
+
+        return plan_step(out, self.table, graph_size, self.max_model_len)
 
     def _prepare_inputs(self, plan: StepPlan) -> None:
         """Every input of the step, into the persistent buffers (no host reads of the device)."""
