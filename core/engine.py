@@ -98,7 +98,7 @@ class LLMEngine:
         self._child_of: dict[str, tuple[_Parent, _Child]] = {}
         # The step loop allocates many short-lived objects, and each full collection rescans
         # everything built at start-up (modules, tokenizer tables): over 1 ms per step with 256
-        # requests under the default thresholds (scripts/host_overhead.py --default-gc). Collect
+        # requests under the default thresholds (benchmarks/host_overhead.py --default-gc). Collect
         # young objects less often and the old generation almost never. No gc.freeze(): a frozen
         # object in a reference cycle is never collected, so an engine alive when the next one
         # froze (a test fixture, a replaced LLM) kept its GPU memory for the life of the process.
