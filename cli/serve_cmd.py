@@ -81,6 +81,7 @@ def serve(
     import uvicorn
 
     from weir.async_engine import AsyncLLMEngine
+    from weir.process import set_step_loop_gc_thresholds
     from weir.server.app import build_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -95,6 +96,7 @@ def serve(
                                   enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
                                   reasoning_parser=reasoning_parser)
         sock = _bind(host, port)
+        set_step_loop_gc_thresholds()
         engine = AsyncLLMEngine.from_options(model, **(engine_options or {}))
     except (ValueError, RuntimeError, FileNotFoundError) as error:
         typer.echo(f"error: {error}", err=True)
