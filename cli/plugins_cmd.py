@@ -9,6 +9,7 @@ from typing import Any
 import typer
 
 from weir.plugin_manager import PluginError, PluginRegistry, Registered, load_plugins
+from weir.selection import backend_problems
 
 # (registry attribute, kind shown to the user)
 _KINDS = (
@@ -66,17 +67,11 @@ def describe_plugins(registry: PluginRegistry) -> list[dict[str, Any]]:
                 row["available"] = True
             elif active_platform is None:
                 row["reason"] = no_platform_reason
-            else:
-                device_type = active_platform.device_type
-                missing_package = target_cls.unavailable_reason()
-                # supports() rather than supported_devices: a backend may override it.
-                runs_here = (target_cls.supports(device_type, set(row["layer_kinds"])) if kind == "attention"
-                             else target_cls.supports(device_type))
-                row["available"] = runs_here and not missing_package
-                if not runs_here:
-                    row["reason"] = f"does not support device type {device_type!r}"
-                elif missing_package:
-                    row["reason"] = missing_package
+            else:  # the rules selection applies: supports() (a backend may override it), its packages
+                problems = backend_problems(target_cls, active_platform.device_type,
+                                            set(row["layer_kinds"]) if kind == "attention" else None)
+                row["available"] = not problems
+                row["reason"] = f"does not support {' and '.join(problems)}" if problems else ""
             rows.append(row)
     return rows
 

@@ -92,6 +92,7 @@ def serve(
     import uvicorn
 
     from weir.async_engine import AsyncLLMEngine
+    from weir.process import set_step_loop_gc_thresholds
     from weir.server.app import build_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -107,6 +108,7 @@ def serve(
                                   reasoning_parser=reasoning_parser, log_stats=not disable_log_stats,
                                   log_stats_interval=log_stats_interval)
         sock = _bind(host, port)
+        set_step_loop_gc_thresholds()
         engine = AsyncLLMEngine.from_options(model, **(engine_options or {}))
     except (ValueError, RuntimeError, FileNotFoundError) as error:
         typer.echo(f"error: {error}", err=True)

@@ -4,6 +4,9 @@
 fields, and ``weir.LLM(**options)`` takes the same names). ``EngineArgs.create_config()``
 reads the checkpoint's HF config and returns an ``EngineConfig``; nothing writes back into
 either afterwards (runtime facts such as the number of KV blocks live in the runner).
+
+torch is imported only where a dtype is made: the CLI builds its flags from ``EngineArgs``, and
+``weir --help`` must not wait for torch.
 """
 
 from __future__ import annotations
@@ -15,17 +18,31 @@ import operator
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
+# Every dtype name users may give -> the torch dtype's attribute name.
 _DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
 }
+
+
+def torch_dtype(name: str) -> "torch.dtype":
+    """The torch dtype a user's dtype name (a key of ``_DTYPES``) means."""
+    import torch
+
+    return getattr(torch, _DTYPES[name])
+
+
+def _float32() -> "torch.dtype":
+    return torch_dtype("float32")
+
 
 _LOAD_FORMATS = ("auto", "dummy")
 
@@ -61,7 +78,8 @@ class CacheConfig:
     enable_prefix_caching: bool
     kv_cache_memory_bytes: int | None  # None: size from the platform's free memory
     gpu_memory_utilization: float
-    linear_state_dtype: torch.dtype = torch.float32  # recurrent states of linear-attention layers
+    # recurrent states of linear-attention layers
+    linear_state_dtype: torch.dtype = field(default_factory=_float32)
 
 
 @dataclass(frozen=True)
@@ -193,7 +211,7 @@ class EngineArgs:
             model=model_cfg,
             cache=CacheConfig(self.block_size, self.enable_prefix_caching,
                               self.kv_cache_memory_bytes, self.gpu_memory_utilization,
-                              _DTYPES[self.linear_state_dtype]),
+                              torch_dtype(self.linear_state_dtype)),
             scheduler=SchedulerConfig(max_num_seqs, max_batched, max_model_len,
                                       self.async_scheduling),
             parallel=ParallelConfig(self.tensor_parallel_size),
@@ -278,15 +296,17 @@ def _check_unquantized(hf_config, model_name: str, load_format: str) -> None:
 
 
 def _resolve_dtype(name: str, hf_config: Any, device_type: str) -> torch.dtype:
+    import torch
+
     if name != "auto":
-        return _DTYPES[name]
+        return torch_dtype(name)
     if device_type == "cpu":
         # CPUs without bf16 units run half types far slower than fp32, and fp32 is the
         # reference precision; ask for bfloat16 explicitly to use it.
         return torch.float32
     config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(config_dtype, str):
-        config_dtype = _DTYPES.get(config_dtype)
+        config_dtype = torch_dtype(config_dtype) if config_dtype in _DTYPES else None
     if config_dtype in (None, torch.float32):
         return torch.bfloat16
     return config_dtype

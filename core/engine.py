@@ -7,7 +7,6 @@ step N's tokens back, so the host's work overlaps the device's.
 
 from __future__ import annotations
 
-import gc
 import logging
 import random
 import time
@@ -97,13 +96,6 @@ class LLMEngine:
         self._in_flight: deque = deque()
         self._parents: dict[str, _Parent] = {}
         self._child_of: dict[str, tuple[_Parent, _Child]] = {}
-        # The step loop allocates many short-lived objects, and each full collection rescans
-        # everything built at start-up (modules, tokenizer tables): over 1 ms per step with 256
-        # requests under the default thresholds (scripts/host_overhead.py --default-gc). Collect
-        # young objects less often and the old generation almost never. No gc.freeze(): a frozen
-        # object in a reference cycle is never collected, so an engine alive when the next one
-        # froze (a test fixture, a replaced LLM) kept its GPU memory for the life of the process.
-        gc.set_threshold(20_000, 50, 1_000)
 
     @classmethod
     def from_options(cls, model: str | None = None, **options) -> "LLMEngine":

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from weir.engine import LLMEngine
 from weir.outputs import RequestOutput
+from weir.process import set_step_loop_gc_thresholds
 from weir.sampling_params import SamplingParams
 from weir.tokenizer import encode_rendered_chat, render_chat_template, template_message
 
@@ -16,6 +17,7 @@ class LLM:
     built-in default model); options are ``weir.config.EngineArgs`` fields, named as vLLM names them."""
 
     def __init__(self, model: str | None = None, **engine_options):
+        set_step_loop_gc_thresholds()  # an entry point: the program's settings are set here
         self.engine = LLMEngine.from_options(model, **engine_options)
         self._request_counter = itertools.count()
 

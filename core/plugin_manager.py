@@ -3,7 +3,8 @@
 Every spec is attributed to the plugin (entry-point name) and distribution that provided it,
 so errors and ``weir plugins`` can say where each thing comes from. Failures are errors that
 name the plugin and its package, never silent skips. A registry is an ordinary object that
-callers hold; nothing here is module-global state.
+callers hold; nothing here is module-global state. Loading plugins imports no torch: only
+resolving a target does (the interface classes it is checked against import torch).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import importlib.metadata
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -27,10 +28,9 @@ from weir.hookspecs import (
     WeirHookSpecs,
 )
 from weir import selection
-from weir.attention import AttentionBackend
-from weir.linear_attention import LinearAttentionBackend
-from weir.moe import MoEBackend
-from weir.platform import Platform
+
+if TYPE_CHECKING:
+    from weir.platform import Platform
 
 BUILTIN_DISTRIBUTION = "weir-engine"
 PLUGINS_ENV_VAR = "WEIR_PLUGINS"
@@ -77,9 +77,22 @@ _HOOK_KINDS = {
 }
 
 
-# The base class each kind's targets must subclass (models have no common base).
-_INTERFACES = {"attention_backends": (AttentionBackend, LinearAttentionBackend), "moe_backends": MoEBackend,
-               "platforms": Platform}
+def _interfaces(attribute: str) -> tuple[type, ...]:
+    """The base classes one of which each target of a kind must subclass (models have none)."""
+    if attribute == "attention_backends":
+        from weir.attention import AttentionBackend
+        from weir.linear_attention import LinearAttentionBackend
+
+        return AttentionBackend, LinearAttentionBackend
+    if attribute == "moe_backends":
+        from weir.moe import MoEBackend
+
+        return (MoEBackend,)
+    if attribute == "platforms":
+        from weir.platform import Platform
+
+        return (Platform,)
+    return ()
 
 
 class PluginRegistry:
@@ -187,10 +200,9 @@ class PluginRegistry:
             known = ", ".join(sorted(table)) or "(none registered)"
             raise ValueError(f"unknown {label} {key!r}; known: {known}{self.restriction_note()}")
         target_cls = import_target(table[key])
-        bases = _INTERFACES.get(attribute)
-        if bases is not None and not (isinstance(target_cls, type) and issubclass(target_cls, bases)):
+        bases = _interfaces(attribute)
+        if bases and not (isinstance(target_cls, type) and issubclass(target_cls, bases)):
             registered = table[key]
-            bases = bases if isinstance(bases, tuple) else (bases,)
             names = " or ".join(f"{base.__module__}.{base.__name__}" for base in bases)
             raise PluginError(
                 f"plugin {registered.plugin_name!r} (package {registered.distribution}): target "

@@ -8,14 +8,14 @@ does. Anything else is an error saying what is missing.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING, Callable
-
-from weir.platform import Platform
 
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from weir.platform import Platform
     from weir.plugin_manager import PluginRegistry  # noqa: F401
 
 
@@ -38,22 +38,29 @@ def select_platform(registry: "PluginRegistry", device: str | None) -> Platform:
     raise RuntimeError("no platform is available: " + ("; ".join(reasons) if reasons else none_registered))
 
 
+def backend_problems(backend_cls: type, device_type: str, layer_kinds: set[str] | None = None) -> list[str]:
+    """What keeps a backend class from serving here, in words for "does not support ...": the
+    layer kinds it lacks (attention backends: ``layer_kinds`` given), the device type, this
+    environment (a missing package). Empty: it runs here."""
+    problems = []
+    runs_on_device = (backend_cls.supports(device_type) if layer_kinds is None
+                      else backend_cls.supports(device_type, set(layer_kinds)))
+    if not runs_on_device:
+        unsupported_kinds = set(layer_kinds or ()) - set(getattr(backend_cls, "supported_layer_kinds", ()))
+        if unsupported_kinds:
+            problems.append(f"layer kinds {sorted(unsupported_kinds)}")
+        if device_type not in backend_cls.supported_devices or not unsupported_kinds:
+            problems.append(f"device type {device_type!r}")
+    unavailable = backend_cls.unavailable_reason()
+    if unavailable:
+        problems.append(f"this environment ({unavailable})")
+    return problems
+
+
 def select_attention_backend(
     registry: "PluginRegistry", platform: Platform, layer_kinds: set[str], requested: str | None
 ) -> type:
-    def missing(backend_cls: type) -> list[str]:
-        problems = []
-        if not backend_cls.supports(platform.device_type, set(layer_kinds)):
-            unsupported_kinds = set(layer_kinds) - set(backend_cls.supported_layer_kinds)
-            if unsupported_kinds:
-                problems.append(f"layer kinds {sorted(unsupported_kinds)}")
-            if platform.device_type not in backend_cls.supported_devices or not unsupported_kinds:
-                problems.append(f"device type {platform.device_type!r}")
-        unavailable = backend_cls.unavailable_reason()
-        if unavailable:
-            problems.append(f"this environment ({unavailable})")
-        return problems
-
+    missing = functools.partial(backend_problems, device_type=platform.device_type, layer_kinds=set(layer_kinds))
     return _select(
         "attention backend", registry.attention_backends, registry.resolve_attention_backend,
         platform.preferred_attention_backends, requested, missing, platform,
@@ -92,15 +99,7 @@ def select_attention_backends(
 
 
 def select_moe_backend(registry: "PluginRegistry", platform: Platform, requested: str | None) -> type:
-    def missing(backend_cls: type) -> list[str]:
-        problems = []
-        if not backend_cls.supports(platform.device_type):
-            problems.append(f"device type {platform.device_type!r}")
-        unavailable = backend_cls.unavailable_reason()
-        if unavailable:
-            problems.append(f"this environment ({unavailable})")
-        return problems
-
+    missing = functools.partial(backend_problems, device_type=platform.device_type)
     return _select(
         "MoE backend", registry.moe_backends, registry.resolve_moe_backend,
         platform.preferred_moe_backends, requested, missing, platform,

@@ -74,15 +74,26 @@ def make_tiny_llama(path: Path, *, rope: str | dict | None = "default", seed: in
     return _save_random(LlamaConfig(**options), path, seed, with_tokenizer)
 
 
-def make_tiny_qwen3(path: Path, *, rope: str | dict | None = "default", seed: int = 0,
-                    with_tokenizer: bool = False, **overrides: Any) -> Path:
+def tiny_qwen3_config(rope: str | dict | None = "default", **overrides: Any) -> Any:
     """Qwen3: explicit head_dim 32 (4 heads x 32 != hidden 64), tied embeddings, q/k norm."""
     from transformers import Qwen3Config
 
     variant = ROPE_VARIANTS[rope] if isinstance(rope, str) else rope
-    options = {**_COMMON, "head_dim": 32, "rope_parameters": _rope(variant, 1000000.0),
-               "tie_word_embeddings": True, "architectures": ["Qwen3ForCausalLM"], **overrides}
-    return _save_random(Qwen3Config(**options), path, seed, with_tokenizer)
+    return Qwen3Config(**{**_COMMON, "head_dim": 32, "rope_parameters": _rope(variant, 1000000.0),
+                          "tie_word_embeddings": True, "architectures": ["Qwen3ForCausalLM"], **overrides})
+
+
+def make_tiny_qwen3(path: Path, *, rope: str | dict | None = "default", seed: int = 0,
+                    with_tokenizer: bool = False, **overrides: Any) -> Path:
+    """The tiny Qwen3 of ``tiny_qwen3_config`` with random weights."""
+    return _save_random(tiny_qwen3_config(rope, **overrides), path, seed, with_tokenizer)
+
+
+def save_tiny_qwen3_config(path: Path) -> Path:
+    """The tiny Qwen3's config.json and tokenizer without weights (for ``load_format="dummy"``)."""
+    tiny_qwen3_config().save_pretrained(path)
+    save_tiny_tokenizer(path)
+    return Path(path)
 
 
 def make_tiny_qwen2(path: Path, *, rope: str | dict | None = "default", seed: int = 0,

@@ -35,9 +35,11 @@ def run_interpreted_checks(module_name: str, checks, timeout_s: int = 900) -> No
 
 
 def kernel_check_tests(module_name: str, checks):
-    """The two tests of a module of kernel checks: all of them interpreted on the CPU (in CI), and
-    each compiled on CUDA (marked gpu). Assign them to ``test_...`` names in that module."""
+    """The two tests of a module of kernel checks: all of them interpreted on the CPU (in CI; the
+    integration tier: the interpreter takes seconds to tens of seconds), and each compiled on CUDA
+    (marked gpu). Assign them to ``test_...`` names in that module."""
 
+    @pytest.mark.integration
     def interpreted_on_cpu():
         run_interpreted_checks(module_name, checks)
 

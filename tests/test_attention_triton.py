@@ -188,6 +188,7 @@ def interpreted_checks() -> None:
         check_against_reference(backend, make_case(query_lens, seq_lens, dtype=dtype, **shape))
 
 
+@pytest.mark.integration  # the interpreter, in a subprocess: seconds
 def test_kernels_under_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     started = time.monotonic()

@@ -170,6 +170,7 @@ def test_the_cuda_backends_conform():
         check_linear_attention_backend(FlaGDNBackend, device="cuda", dtype=torch.bfloat16, state_dtype=state_dtype)
 
 
+@pytest.mark.integration
 def test_check_model_passes_the_example_model_plugin_and_the_hybrid_family(tmp_path):
     from helpers_models import make_tiny_qwen2, make_tiny_qwen3_next
     from weir.testing import check_model
@@ -178,6 +179,7 @@ def test_check_model_passes_the_example_model_plugin_and_the_hybrid_family(tmp_p
     check_model(make_tiny_qwen3_next(tmp_path / "qwen3-next"), num_tokens=8, max_num_batched_tokens=16)
 
 
+@pytest.mark.integration
 def test_check_model_names_the_step_where_a_wrong_model_diverges(tmp_path, monkeypatch):
     """A model whose norms come out 5% too large is caught at its first token."""
     from helpers_models import make_tiny_qwen3

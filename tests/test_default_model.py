@@ -10,6 +10,8 @@ from weir import LLM, SamplingParams
 from weir.default_model import DEFAULT_MODEL_EOS_TOKEN_ID, ensure_default_model
 from weir.tokenizer import apply_chat_template
 
+pytestmark = pytest.mark.integration
+
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 

@@ -183,7 +183,7 @@ def test_backend_tokenizer_errors_name_the_problem():
         backend_tokenizer(object())
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_real_gguf_tokenizer():
     from transformers import AutoTokenizer
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers_models import _COMMON
+from helpers_models import TINY_VOCAB_SIZE
 from weir.weights.dummy import DUMMY_HIGH, DUMMY_LOW, fill_dummy_weights
 
 
@@ -23,7 +23,7 @@ def test_dummy_load_generates_tokens(dummy_llm):
     outputs = dummy_llm.generate(["hello", {"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
     for output in outputs:
         assert len(output.outputs[0].token_ids) == 6
-        assert all(0 <= token < _COMMON["vocab_size"] for token in output.outputs[0].token_ids)
+        assert all(0 <= token < TINY_VOCAB_SIZE for token in output.outputs[0].token_ids)
 
 
 def test_dummy_values_norms_and_ties(dummy_llm):

@@ -12,6 +12,8 @@ from helpers_models import make_tiny_llama, make_tiny_qwen3
 from engine_harness import assert_nothing_held, hf_greedy_with, watch_engine
 from weir import LLM, SamplingParams
 
+pytestmark = pytest.mark.integration
+
 NUM_TOKENS = 32
 MAKERS = {"llama": make_tiny_llama, "qwen3": make_tiny_qwen3}
 

@@ -11,6 +11,8 @@ from helpers_models import make_tiny_qwen3_next
 from weir import LLM, SamplingParams
 from weir.testing import check_linear_attention_backend, check_moe_backend
 
+pytestmark = pytest.mark.integration
+
 EXAMPLE_DIR = Path(__file__).resolve().parents[1] / "examples" / "weir-plugin-backends"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 
 import pytest
 import torch
@@ -28,6 +29,26 @@ def test_cpu_tensors_never_reach_the_kernels(monkeypatch):
     kv_store.store_kv(torch.zeros(2, 2, 2, 1, 4), torch.ones(1, 1, 4), torch.ones(1, 1, 4), torch.tensor([1]))
     assert torch.equal(input_ids, inputs.prepare_step_inputs_torch(*batch, num_tokens)[0])
     assert not dispatch.use_triton(torch.zeros(1, device="meta"))
+
+
+def test_the_disable_switch_is_read_once_until_reread(monkeypatch):
+    """WEIR_DISABLE_TRITON is read at the first op, not per op; reread_triton_switch and
+    forced_torch_ops make a change count, and forced_torch_ops undoes its own."""
+    monkeypatch.setenv(dispatch.DISABLE_ENV, "1")
+    dispatch.reread_triton_switch()
+    try:
+        assert dispatch.triton_enabled() is False
+        monkeypatch.setenv(dispatch.DISABLE_ENV, "0")
+        assert dispatch.triton_enabled() is False  # still the value read first
+        dispatch.reread_triton_switch()
+        assert dispatch.triton_enabled() is dispatch.triton_importable()
+        with dispatch.forced_torch_ops():
+            assert dispatch.triton_enabled() is False
+        assert dispatch.triton_enabled() is dispatch.triton_importable()
+        assert os.environ[dispatch.DISABLE_ENV] == "0"
+    finally:
+        monkeypatch.undo()
+        dispatch.reread_triton_switch()  # later tests see the environment as it was
 
 
 class Recorder:
@@ -79,17 +100,17 @@ def run_step_ops(device):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("disable_triton", ["0", "1"])
+@pytest.mark.parametrize("disable_triton", [False, True], ids=["triton", "torch"])
 def test_step_ops_on_cuda_never_synchronise_and_match_the_cpu(monkeypatch, disable_triton):
-    monkeypatch.setenv(dispatch.DISABLE_ENV, disable_triton)
     recorders = {name: Recorder(importlib.import_module(f"weir.kernels.{name}"))
                  for name in ("triton_input_prep", "triton_kv_store")}
     monkeypatch.setattr(inputs, "_kernels", lambda: recorders["triton_input_prep"])
     monkeypatch.setattr(staged_write, "triton_module", recorders.__getitem__)
     monkeypatch.setattr(kv_store, "triton_module", recorders.__getitem__)
-    cuda_results = run_step_ops(torch.device("cuda"))
-    cpu_results = run_step_ops(torch.device("cpu"))
-    if disable_triton == "1":
+    with dispatch.forced_torch_ops(disable_triton):
+        cuda_results = run_step_ops(torch.device("cuda"))
+        cpu_results = run_step_ops(torch.device("cpu"))
+    if disable_triton:
         assert not recorders["triton_input_prep"].called and not recorders["triton_kv_store"].called
     else:
         assert len(recorders["triton_input_prep"].called) == 6 and recorders["triton_kv_store"].called

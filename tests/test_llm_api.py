@@ -3,7 +3,10 @@ options, OpenAI text parts, the rendered prompt on outputs, token-id prompts, vL
 
 from __future__ import annotations
 
-from weir import SamplingParams
+import gc
+
+from weir import LLM, LLMEngine, SamplingParams
+from weir.process import STEP_LOOP_GC_THRESHOLDS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 TEMPLATE = ("{% if greeting %}{{ greeting }}|{% endif %}{% if tools %}TOOLS|{% endif %}"
@@ -43,3 +46,17 @@ def test_outputs_say_how_much_of_the_prompt_the_prefix_cache_served(tiny_llm):
     assert first.num_cached_tokens == 0
     assert 0 < again.num_cached_tokens < 40  # whole blocks, and never the last token
     assert again.num_cached_tokens % 4 == 0
+
+
+def test_llm_sets_the_step_loop_gc_thresholds_and_an_engine_alone_does_not(tiny_llama_path):
+    """``weir.LLM`` is an entry point and tunes the collector; a program that builds an
+    ``LLMEngine`` itself (a server, a test) keeps its own thresholds."""
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        LLMEngine.from_options(str(tiny_llama_path), device="cpu", max_model_len=64)
+        assert gc.get_threshold() == (700, 10, 10)
+        LLM(str(tiny_llama_path), device="cpu", max_model_len=64)
+        assert gc.get_threshold() == STEP_LOOP_GC_THRESHOLDS != (700, 10, 10)
+    finally:
+        gc.set_threshold(*before)

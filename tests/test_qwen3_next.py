@@ -17,6 +17,8 @@ from engine_harness import assert_nothing_held, watch_engine
 from weir.testing import transformers_greedy
 from weir import LLM, SamplingParams
 
+pytestmark = pytest.mark.integration
+
 NUM_TOKENS = 32
 PROMPT_LENGTHS = (1, 3, 9, 17, 24, 40, 55, 70)
 

@@ -11,6 +11,8 @@ import pytest
 from server_helpers import request
 from server_inprocess import serve_in_thread
 
+pytestmark = pytest.mark.integration
+
 # Prints the template variables a request may set, so the rendered prompt (one token per
 # character with the tiny tokenizer) shows whether they arrived.
 TEMPLATE = ("{% if greeting %}{{ greeting }}|{% endif %}{% if reasoning_effort %}effort={{ reasoning_effort }}|"

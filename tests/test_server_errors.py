@@ -9,6 +9,8 @@ import pytest
 
 from server_helpers import SERVED_NAME, ServerProcess, metric, request, scrape_metrics, stream_sse
 
+pytestmark = pytest.mark.integration
+
 API_KEY = "s3cret"
 AUTH = {"authorization": f"Bearer {API_KEY}"}
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"

@@ -15,6 +15,8 @@ from server_helpers import metric, request, scrape_metrics, stream_sse, wait_unt
 from server_inprocess import serve_in_thread
 from weir.server.settings import ServerSettings
 
+pytestmark = pytest.mark.integration
+
 COMPLETION = {"model": "tiny", "prompt": "abc", "max_tokens": 12, "ignore_eos": True}
 
 

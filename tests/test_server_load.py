@@ -13,6 +13,8 @@ import torch
 
 from server_helpers import SERVED_NAME, ServerProcess, metric, request, scrape_metrics, stream_sse, wait_until
 
+pytestmark = pytest.mark.integration
+
 NUM_CLIENTS = 64
 MAX_TOKENS = 48
 CHAT_PATH = "/v1/chat/completions"

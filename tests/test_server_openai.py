@@ -7,6 +7,8 @@ import pytest
 
 from server_helpers import SERVED_NAME, ServerProcess, request
 
+pytestmark = pytest.mark.integration
+
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Name a river."}]
 # The tiny model is random: greedy decoding tends to repeat tokens that decode to no text, so
 # tests that compare texts sample with a fixed seed instead.

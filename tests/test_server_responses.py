@@ -12,6 +12,8 @@ import pytest
 
 from server_inprocess import CALL, scripted_tool_server
 
+pytestmark = pytest.mark.integration
+
 TOOLS = [{"type": "function", "name": "get_weather", "description": "weather of a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
 

@@ -11,6 +11,8 @@ import pytest
 
 from server_helpers import SERVED_NAME, ServerProcess, request, stream_sse
 
+pytestmark = pytest.mark.integration
+
 LONG_STREAM = {"model": SERVED_NAME, "prompt": "abc", "max_tokens": 64, "ignore_eos": True, "stream": True,
                "stream_options": {"include_usage": True}}
 NUM_STREAMS = 3

@@ -14,6 +14,8 @@ from server_inprocess import CALL, scripted_tool_server
 from weir.server.reasoning import ReasoningStream, parse_reasoning
 from weir.server.tool_calls import ToolCallStream, parse_tool_calls
 
+pytestmark = pytest.mark.integration
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
                                             "parameters": {"type": "object",
                                                            "properties": {"city": {"type": "string"}}}}}]

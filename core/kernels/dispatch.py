@@ -2,7 +2,9 @@
 
 Triton serves CUDA tensors (ROCm reports the same device type) when it imports; setting
 ``WEIR_DISABLE_TRITON=1`` forces the torch versions everywhere, to bisect a wrong answer or
-compare speed. The check is per call (an environment lookup), so tests can flip it.
+compare speed. The variable is read once, at the first op (``use_triton`` runs for every layer
+op of every step); code that changes it later calls ``reread_triton_switch()``, as
+``forced_torch_ops`` does.
 """
 
 from __future__ import annotations
@@ -29,20 +31,31 @@ def triton_importable() -> bool:
     return True
 
 
+@functools.cache
+def triton_enabled() -> bool:
+    """Triton imports and ``WEIR_DISABLE_TRITON`` is not ``1`` (as read at the first call)."""
+    return os.environ.get(DISABLE_ENV, "") != "1" and triton_importable()
+
+
+def reread_triton_switch() -> None:
+    """Forget ``WEIR_DISABLE_TRITON``'s value: the next op reads the environment again."""
+    triton_enabled.cache_clear()
+
+
 def use_triton(tensor: torch.Tensor) -> bool:
     """True when ``tensor``'s op should launch its Triton kernel."""
     if not tensor.is_cuda:  # cheaper than tensor.device.type: this runs for every layer op
         return False
-    if os.environ.get(DISABLE_ENV, "") == "1":
-        return False
-    return triton_importable()
+    return triton_enabled()
 
 
 @contextlib.contextmanager
 def forced_torch_ops(forced: bool = True):
-    """Inside the block, every op runs its torch version (``forced``) or may use Triton (not)."""
+    """Inside the block, every op runs its torch version (``forced``) or may use Triton (not);
+    afterwards the environment and the ops' choice are what they were."""
     previous = os.environ.get(DISABLE_ENV)
     os.environ[DISABLE_ENV] = "1" if forced else "0"
+    reread_triton_switch()
     try:
         yield
     finally:
@@ -50,6 +63,7 @@ def forced_torch_ops(forced: bool = True):
             del os.environ[DISABLE_ENV]
         else:
             os.environ[DISABLE_ENV] = previous
+        reread_triton_switch()
 
 
 def _module_path(name: str) -> str:

@@ -151,7 +151,7 @@ class RouterLinear(MergedLinear):
     """The router's rows (shard ``routed``), the shared expert's gate row (``shared_gate``), then
     zero rows up to a multiple of 8. Without them the ``[T, E + 1]`` output has rows that are not
     16-byte aligned, which sent cuBLAS to an sm75 align-1 kernel taking 16.7 us per layer at 256
-    tokens on the H200 (scripts/profile_steps.py; the padded GEMM was not timed on its own)."""
+    tokens on the H200 (benchmarks/profile_steps.py; the padded GEMM was not timed on its own)."""
 
     def __init__(self, hidden_size: int, num_experts: int):
         padding = -(num_experts + 1) % 8
@@ -177,7 +177,7 @@ class SparseMoeBlock(nn.Module):
     loading into the fused experts as one more expert that every token uses, weighted by its
     gate: the MoE kernels then compute it too, and the dense MLP, its gate GEMM, the sigmoid, the
     product and the final sum go away (559 instead of 703 kernels per decode step of the
-    24-layer model; scripts/profile_steps.py on the H200).
+    24-layer model; benchmarks/profile_steps.py on the H200).
     """
 
     def __init__(self, hf_config: Any):

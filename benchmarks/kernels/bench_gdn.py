@@ -4,7 +4,7 @@ slot-indexed decode kernels (conv, and the recurrent step with a sweep of its ti
 hints; bandwidth counts the recurrent state read and written) timed in CUDA graphs, and fla's
 chunk prefill (eager).
 
-    python3 scripts/bench_gdn.py [--only prefill-conv|decode|chunk]
+    python3 -m benchmarks.kernels.bench_gdn [--only prefill-conv|decode|chunk]
 """
 
 from __future__ import annotations
@@ -13,40 +13,17 @@ import argparse
 
 import torch
 
+from benchmarks.kernels.timing import graph_us, median_ms
 from weir.plugins.attention.gdn_triton_kernels import conv_decode_step, gdn_decode_step
 
 H, HV, DK, DV, CONV_KERNEL = 16, 32, 128, 128, 4
 CONV_DIM = 2 * H * DK + HV * DV
 
 
-def time_ms(fn, iters: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
-def graph_us(fn, repeats: int = 20) -> float:
-    """Microseconds per call of ``fn`` replayed ``repeats`` times in one CUDA graph: kernel time
-    without Python's launch cost (eager timings at small batches measure ~35 us of that)."""
-    fn()  # compiles
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            fn()
-    return time_ms(graph.replay, iters=20) * 1e3 / repeats
+def decode_us(fn) -> float:
+    """Microseconds per call of ``fn`` replayed 20 times in one CUDA graph: kernel time without
+    Python's launch cost (eager timings at small batches measure ~35 us of that)."""
+    return graph_us(fn, repeats=20)
 
 
 def decode(batch: int, state_dtype: torch.dtype) -> None:
@@ -60,15 +37,15 @@ def decode(batch: int, state_dtype: torch.dtype) -> None:
     beta = torch.rand(batch, HV, dtype=torch.bfloat16, device="cuda")
     conv_out = torch.empty_like(mixed)
     out = torch.empty(batch, HV, DV, dtype=torch.bfloat16, device="cuda")
-    conv_us = graph_us(lambda: conv_decode_step(mixed, conv_state, weight, slots, conv_out))
-    recurrent_us = graph_us(lambda: gdn_decode_step(conv_out, g, beta, state, slots, out, num_k_heads=H,
-                                                    head_k_dim=DK))
+    conv_us = decode_us(lambda: conv_decode_step(mixed, conv_state, weight, slots, conv_out))
+    recurrent_us = decode_us(lambda: gdn_decode_step(conv_out, g, beta, state, slots, out, num_k_heads=H,
+                                                     head_k_dim=DK))
     state_bytes = 2 * batch * HV * DK * DV * state.element_size()
     results = []
     for block_v in (32, 64, 128):
         for num_warps in (2, 4, 8):
             for stream in (False, True):
-                micros = graph_us(lambda: gdn_decode_step(
+                micros = decode_us(lambda: gdn_decode_step(
                     conv_out, g, beta, state, slots, out, num_k_heads=H, head_k_dim=DK, block_v=block_v,
                     num_warps=num_warps, stream_state=stream))
                 results.append((micros, block_v, num_warps, stream))
@@ -81,8 +58,8 @@ def decode(batch: int, state_dtype: torch.dtype) -> None:
     for micros, block_v, num_warps, stream in sorted(results)[:4]:
         print(f"    {micros:7.1f} us  block_v {block_v:3d} warps {num_warps} streaming {stream}")
     if state_dtype == torch.float32:  # the conv does not depend on it
-        conv = sorted((graph_us(lambda: conv_decode_step(mixed, conv_state, weight, slots, conv_out, block_d=block_d,
-                                                         num_warps=num_warps)), block_d, num_warps)
+        conv = sorted((decode_us(lambda: conv_decode_step(mixed, conv_state, weight, slots, conv_out,
+                                                          block_d=block_d, num_warps=num_warps)), block_d, num_warps)
                       for block_d in (128, 256, 512, 1024, 2048) for num_warps in (2, 4, 8))
         print("    conv (block_d, warps): " + ", ".join(f"{us:.1f} us ({bd}, {nw})" for us, bd, nw in conv[:4]))
 
@@ -98,8 +75,9 @@ def chunk(num_tokens: int, num_seqs: int) -> None:
     bounds = torch.linspace(0, num_tokens, num_seqs + 1).long()
     cu = bounds.cuda()
     h0 = torch.zeros(num_seqs, HV, DK, DV, dtype=torch.float32, device="cuda")
-    ms = time_ms(lambda: chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
-                                                use_qk_l2norm_in_kernel=True, cu_seqlens=cu, cu_seqlens_cpu=bounds),
+    ms = median_ms(lambda: chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0,
+                                                  output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                                  cu_seqlens=cu, cu_seqlens_cpu=bounds),
                  iters=10)
     print(f"fla chunk T={num_tokens} seqs={num_seqs}: {ms:.2f} ms")
 
@@ -142,10 +120,10 @@ def prefill_conv(num_tokens: int, num_seqs: int) -> None:
         conv_state.copy_(start_state)
         outputs = weir(num_warps)
         same = all(torch.equal(a, b) for a, b in zip(outputs, expected))
-        timings.append(f"{num_warps} warps {time_ms(lambda: weir(num_warps), iters=20) * 1e3:.0f} us"
+        timings.append(f"{num_warps} warps {median_ms(lambda: weir(num_warps), iters=20) * 1e3:.0f} us"
                        f"{'' if same else ' (OUTPUT DIFFERS)'}")
-    fla_ms = time_ms(fla, iters=20)
-    weir_ms = time_ms(weir, iters=20)
+    fla_ms = median_ms(fla, iters=20)
+    weir_ms = median_ms(weir, iters=20)
     print(f"prefill conv T={num_tokens} seqs={num_seqs}: Weir {weir_ms * 1e3:.0f} us ({moved / weir_ms / 1e9:.2f} "
           f"TB/s; {', '.join(timings)}), fla conv + copies + norms {fla_ms * 1e3:.0f} us", flush=True)
 

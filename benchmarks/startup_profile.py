@@ -1,7 +1,7 @@
 """Where start-up goes: timestamped start-up log, then every Triton compilation it caused (kernel,
 seconds, the specialisation that made it distinct), so cold start-up can be cut where it costs.
 
-    TRITON_CACHE_DIR=/tmp/empty python3 scripts/startup_profile.py benchmarks/models/qwen3-0.6b [key=value ...]
+    TRITON_CACHE_DIR=$(mktemp -d) python3 -m benchmarks.startup_profile benchmarks/models/qwen3-0.6b [key=value ...]
 
 An empty TRITON_CACHE_DIR gives a cold machine's start-up; the key=value pairs are engine options.
 """

@@ -1,9 +1,9 @@
 """The memory-bandwidth floor of the Qwen3-Next nano-bench: how fast any engine could run it.
 
-    python3 scripts/roofline_next.py [benchmarks/models/qwen3-next-24l] [--bandwidth 4.3e12] [--peer 5662]
+    python3 -m benchmarks.roofline_next [benchmarks/models/qwen3-next-24l] [--bandwidth 4.3e12] [--peer 5662]
 
 Per decode batch-size bucket it also prints the floor's mean ms per step, to set beside the
-buckets of ``scripts/profile_steps.py`` (where a real run loses its time).
+buckets of ``benchmarks/profile_steps.py`` (where a real run loses its time).
 
 A decode step must read every weight it uses once: the non-expert weights (all but the
 embedding, of which it gathers a few rows), every expert some token of the batch routed to, each
@@ -25,12 +25,10 @@ from pathlib import Path
 import torch
 import transformers
 
+from benchmarks.profile_steps import BUCKETS
 from weir.cli.bench.throughput import random_workload
 
 GiB = 2**30
-# The decode buckets of scripts/profile_steps.py (lowest batch size, label).
-BUCKETS = ((192, "decode 192+"), (128, "decode 128-191"), (64, "decode 64-127"), (16, "decode 16-63"),
-           (1, "decode 1-15"))
 
 
 def weight_bytes(model_dir: Path) -> tuple[int, int, int]:

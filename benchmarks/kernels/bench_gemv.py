@@ -1,6 +1,6 @@
 """Batch-1 projections of Qwen3-8B: cuBLAS (F.linear) vs Weir's Triton GEMV, per shape and tile.
 
-    python3 scripts/bench_gemv.py
+    python3 -m benchmarks.kernels.bench_gemv
 
 Each case captures a CUDA graph of back-to-back launches that cycle over enough weight copies
 to defeat the L2 cache (a real step never re-reads a layer's weights), then times its replays.
@@ -14,6 +14,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from benchmarks.kernels.timing import graph_us
 from weir.kernels.triton_gemv import gemv, gemv_tiles
 
 SHAPES = {  # name: (out_features, in_features) of Qwen3-8B
@@ -24,22 +25,9 @@ LAUNCHES = 64
 
 
 def time_per_launch(fn, copies: list[torch.Tensor], x: torch.Tensor) -> float:
-    for weight in copies[:2]:
-        fn(x, weight)  # compile
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for launch in range(LAUNCHES):
-            fn(x, copies[launch % len(copies)])
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (5 * LAUNCHES)
+    """Microseconds per ``fn(x, weight)`` launch, the weight cycling over ``copies``."""
+    weights = itertools.cycle(copies)
+    return graph_us(lambda: fn(x, next(weights)), repeats=LAUNCHES, iters=5)
 
 
 def main() -> None:
@@ -62,8 +50,8 @@ def main() -> None:
             results[tiles] = time_per_launch(lambda a, w, t=tiles: gemv(a, w, t), copies, x)
         best = min(results, key=results.get)
         print(f"{name:<14} {cublas:>10.2f} {weight_bytes / cublas / 1e6:>6.2f} {results[best]:>10.2f} "
-              f"{weight_bytes / results[best] / 1e6:>6.2f}  {best} ({default}: {results.get(default, float('nan')):.2f})",
-              flush=True)
+              f"{weight_bytes / results[best] / 1e6:>6.2f}  {best} "
+              f"({default}: {results.get(default, float('nan')):.2f})", flush=True)
         del copies
 
 

@@ -1,9 +1,9 @@
 """Where a nano-bench run's time goes, step by step: wall time per step bucketed by kind (prefill or
 mixed vs pure decode) and decode batch size, then a torch-profiler table of a steady decode window.
 
-    python3 scripts/profile_steps.py benchmarks/models/qwen3-next-24l [--num-prompts 256] [--profile-batch 256]
-    python3 scripts/profile_steps.py benchmarks/models/qwen3-8b --num-prompts 0 --profile-batch 1 --top 30
-    python3 scripts/profile_steps.py benchmarks/models/qwen3-next-24l --num-prompts 0 --profile-batch "" \
+    python3 -m benchmarks.profile_steps benchmarks/models/qwen3-next-24l [--num-prompts 256] [--profile-batch 256]
+    python3 -m benchmarks.profile_steps benchmarks/models/qwen3-8b --num-prompts 0 --profile-batch 1 --top 30
+    python3 -m benchmarks.profile_steps benchmarks/models/qwen3-next-24l --num-prompts 0 --profile-batch "" \
         --profile-prefill 16x1024   # one prefill step of 16 prompts of 1024 tokens
 """
 
@@ -19,6 +19,7 @@ import torch
 from weir import LLM, SamplingParams
 from weir.cli.bench.throughput import random_workload
 
+# Decode batch-size buckets (lowest batch size, label); benchmarks/roofline_next.py uses the same.
 BUCKETS = ((192, "decode 192+"), (128, "decode 128-191"), (64, "decode 64-127"), (16, "decode 16-63"),
            (1, "decode 1-15"))
 

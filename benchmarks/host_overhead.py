@@ -1,8 +1,10 @@
 """Host time per engine step on the CPU, split by phase, for 256 requests on a tiny model.
 
-    python3 scripts/host_overhead.py [--default-gc]
-The model is tiny so the phases that would overlap the GPU (schedule, update, output
-building) show up; `execute` here includes the CPU forward itself.
+    python3 -m benchmarks.host_overhead [--default-gc]
+
+Run from the repo root: the model is built by tests/helpers_models.py. It is tiny so the
+phases that would overlap the GPU (schedule, update, output building) show up; `execute` here
+includes the CPU forward itself.
 """
 
 import argparse
@@ -10,19 +12,16 @@ import collections
 import gc
 import pathlib
 import random
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-from helpers_models import make_tiny_llama  # noqa: E402
-
-from weir import LLM, SamplingParams  # noqa: E402
+from tests.helpers_models import make_tiny_llama
+from weir import LLM, SamplingParams
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--default-gc", action="store_true", help="undo the engine's GC thresholds")
+    parser.add_argument("--default-gc", action="store_true", help="undo the GC thresholds weir.LLM sets")
     args = parser.parse_args()
     path = make_tiny_llama(pathlib.Path(tempfile.mkdtemp()), with_tokenizer=True, num_hidden_layers=1,
                            hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1)

@@ -5,7 +5,7 @@ decode B=256 at 1024 tokens, decode B=1 at 4096 and 32768 (split-K), prefill of 
 8 requests, and a mixed batch. SDPA runs the same dense shapes (no paging) as a yardstick. Each
 Triton time includes the KV store. ``--sweep`` also times other tile configs and split counts.
 
-    python scripts/bench_attention.py [--sweep] [--block-size 16]
+    python3 -m benchmarks.kernels.bench_attention [--sweep] [--block-size 16]
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import itertools
 
 import torch
 import triton
-import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from benchmarks.kernels.timing import graph_us, median_us
 from weir.attention import AttentionLayerSpec, AttentionMetadata
 from weir.plugins.attention.triton_paged import TileConfig, TritonAttentionBackend
 
@@ -45,19 +45,6 @@ def make_step(query_lens: list[int], seq_lens: list[int], block_size: int, devic
     return q, k, v, cache, metadata
 
 
-def time_us(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=200) * 1000.0
-
-
-def graph_time_us(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return time_us(graph.replay)
-
-
 def sdpa_us(batch: int, q_len: int, kv_len: int, causal: bool) -> float:
     q = torch.randn(batch, NUM_HEADS, q_len, HEAD_DIM, dtype=DTYPE, device="cuda")
     k = torch.randn(batch, NUM_KV_HEADS, kv_len, HEAD_DIM, dtype=DTYPE, device="cuda")
@@ -70,7 +57,7 @@ def sdpa_us(batch: int, q_len: int, kv_len: int, causal: bool) -> float:
             group = NUM_HEADS // NUM_KV_HEADS
             k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
             run = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        return time_us(run)
+        return median_us(run)
 
 
 def bench_case(name, query_lens, seq_lens, args, sdpa_shape=None):
@@ -81,12 +68,12 @@ def bench_case(name, query_lens, seq_lens, args, sdpa_shape=None):
     forward = lambda: backend.forward(layer, q, k, v, cache, metadata)
     kv_bytes = 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
     flops = sum(4 * NUM_HEADS * HEAD_DIM * (ql * (s - ql) + ql * (ql + 1) / 2) for ql, s in zip(query_lens, seq_lens))
-    eager = time_us(forward)
+    eager = median_us(forward)
     line = f"{name:34s} triton {eager:9.1f} us  {kv_bytes / eager / 1e3:7.0f} GB/s  {flops / eager / 1e6:7.1f} TFLOP/s"
     decode = metadata.max_query_len == 1
     if decode:
         splits = backend.num_kv_splits(metadata.num_reqs, NUM_KV_HEADS, metadata.max_seq_len)
-        line += f"  graph {graph_time_us(forward):9.1f} us  splits={splits}"
+        line += f"  graph {graph_us(forward):9.1f} us  splits={splits}"
     if sdpa_shape is not None:
         line += f"  | sdpa-flash {sdpa_us(*sdpa_shape):9.1f} us"
     print(line, flush=True)
@@ -100,22 +87,23 @@ def sweep(backend, forward, decode, metadata):
             backend.decode_tiles = TileConfig(16, block_n, warps, stages)
             label = f"    decode tiles n={block_n} warps={warps} stages={stages}"
             try:
-                print(f"{label}: {time_us(forward):9.1f} us")
+                print(f"{label}: {median_us(forward):9.1f} us")
             except Exception as error:
                 print(f"{label}: failed ({type(error).__name__})")
         backend.decode_tiles = None
         if metadata.num_reqs * NUM_KV_HEADS < 1024:
             for splits in (1, 4, 8, 16, 32, 48, 64, 96, 128):
                 backend.forced_num_splits = splits
-                print(f"    splits={splits}: {time_us(forward):9.1f} us")
+                print(f"    splits={splits}: {median_us(forward):9.1f} us")
             backend.forced_num_splits = None
         return
     for block_m, block_n, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
         backend.prefill_tiles = TileConfig(block_m, block_n, warps, stages)
+        label = f"    prefill tiles m={block_m} n={block_n} warps={warps} stages={stages}"
         try:  # some configs need more shared memory or registers than the SM has
-            print(f"    prefill tiles m={block_m} n={block_n} warps={warps} stages={stages}: {time_us(forward):9.1f} us")
+            print(f"{label}: {median_us(forward):9.1f} us")
         except Exception as error:
-            print(f"    prefill tiles m={block_m} n={block_n} warps={warps} stages={stages}: failed ({type(error).__name__})")
+            print(f"{label}: failed ({type(error).__name__})")
     backend.prefill_tiles = None
 
 

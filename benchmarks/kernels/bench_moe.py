@@ -1,6 +1,6 @@
 """Milliseconds per MoE expert call at Qwen3-Next-80B shapes: torch vs Triton backends, on CUDA.
 
-    python scripts/bench_moe.py [--iters 30] [--tokens 1,16,64] [--sweep] [--sweep-parts] [--shared]
+    python3 -m benchmarks.kernels.bench_moe [--iters 30] [--tokens 1,16,64] [--sweep] [--sweep-parts] [--shared]
 
 E=512 experts, top_k=10, H=2048, I=512, bf16, random weights and softmax routing. "GB/s" is the
 bytes of the experts a batch touches (distinct ids x 3*H*I*2) over the time: decode is weight
@@ -15,11 +15,11 @@ fused kernels), routing included. Times are CUDA-event medians.
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Callable
 
 import torch
 
+from benchmarks.kernels.timing import graph_replay, median_ms
 from weir.moe import Routing, softmax_top_k
 from weir.plugins.moe_backends.torch_ref import TorchMoEBackend
 from weir.plugins.moe_backends.triton_fused import TritonMoEBackend
@@ -43,26 +43,8 @@ SWEEP_GEMMS = [  # (gate_up, down) pairs; each is tried with every block_m the b
 
 
 def time_ms(fn: Callable[[], object], iters: int, graph: bool) -> float:
-    """Median ms of ``fn`` (or of replaying a CUDA graph of it), after a compiling warm-up."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    run = fn
-    if graph:
-        cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph):
-            fn()
-        run = cuda_graph.replay
-        run()
-    samples = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
+    """Median ms of ``fn``, or of replaying a CUDA graph of it (as decode runs it)."""
+    return median_ms(graph_replay(fn) if graph else fn, iters)
 
 
 def make_batch(num_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,6 +1,6 @@
 """Microseconds per call of the sampler and the small layer ops: torch vs Triton, on CUDA.
 
-    python scripts/bench_small_ops.py [--iters 50]
+    python3 -m benchmarks.kernels.bench_small_ops [--iters 50]
 
 The torch column runs with WEIR_DISABLE_TRITON=1 (the reference ops), the Triton column
 without it; both go through the same public entry points (Sampler, RMSNorm, GatedMLP's
@@ -10,15 +10,14 @@ activation, RotaryEmbedding). Times are CUDA-event medians after a warm-up that 
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig
 
-from weir.kernels.dispatch import forced_torch_ops
+from benchmarks.kernels.timing import median_us
+from weir.kernels.dispatch import forced_torch_ops, use_triton
 from weir.layers import RMSNorm, RotaryEmbedding
 from weir.sample import Sampler
 from weir.sampling_params import SamplingParams
@@ -32,26 +31,11 @@ def sampling_metadata(params: list[SamplingParams], seeds: list[int], positions:
     return sampler, metadata
 
 
-def time_us(fn: Callable[[], object], iters: int) -> float:
-    for _ in range(3):  # compiles Triton kernels and fills the allocator's cache
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1000.0)
-    return statistics.median(samples)
-
-
 def compare(name: str, fn: Callable[[], object], iters: int) -> None:
     with forced_torch_ops(True):
-        torch_us = time_us(fn, iters)
+        torch_us = median_us(fn, iters)
     with forced_torch_ops(False):
-        triton_us = time_us(fn, iters)
+        triton_us = median_us(fn, iters)
     print(f"{name:<56} {torch_us:>11.1f} {triton_us:>11.1f} {torch_us / triton_us:>8.1f}x", flush=True)
 
 
@@ -93,8 +77,8 @@ def gumbel_sweep(seeds: list[int], positions: list[int], iters: int) -> None:
                                         positions[:num_rows], vocab)
         for per_sm, block, warps in [(2, 1024, 4), (4, 1024, 4), (8, 1024, 4), (16, 1024, 4), (8, 2048, 8),
                                      (16, 512, 4), (32, 512, 4), (8, 4096, 8)]:
-            micros = time_us(lambda: triton_sampler.choose_tokens_triton(logits, metadata, per_sm, block, warps),
-                             iters)
+            micros = median_us(lambda: triton_sampler.choose_tokens_triton(logits, metadata, per_sm, block, warps),
+                               iters)
             print(f"  B={num_rows:<4} {per_sm:>2} programs/SM block {block:>4} warps {warps}: {micros:>8.1f} us",
                   flush=True)
 
@@ -110,7 +94,7 @@ def search_sweep(logits: torch.Tensor, seeds: list[int], positions: list[int], i
                           ("top-k 50", SamplingParams(temperature=0.6, top_k=50))]:
         _, metadata = sampling_metadata([params] * num_rows, seeds, positions, vocab)
         for block, slots, warps in [(512, 8, 8), (256, 8, 4), (1024, 8, 8), (512, 16, 8), (256, 16, 4), (512, 4, 8)]:
-            micros = time_us(lambda: filters.filter_thresholds_triton(logits, metadata, block, slots, warps), iters)
+            micros = median_us(lambda: filters.filter_thresholds_triton(logits, metadata, block, slots, warps), iters)
             print(f"  {label:<10} block {block:>4} slots {slots:>2} warps {warps:>2}: {micros:>9.1f} us", flush=True)
 
 
@@ -127,7 +111,7 @@ def layer_cases(iters: int) -> None:
     gate_up = torch.randn(8192, 2 * intermediate, device="cuda", dtype=dtype)
 
     def silu_and_mul():
-        if os.environ.get("WEIR_DISABLE_TRITON") == "1":
+        if not use_triton(gate_up):
             return F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
         from weir.kernels.triton_layers import silu_and_mul_triton
 

@@ -1,6 +1,6 @@
 """Per-op timing of step-input preparation: torch versions against the Triton kernels (CUDA).
 
-    python scripts/bench_input_prep.py [--iters 200]
+    python3 -m benchmarks.kernels.bench_input_prep [--iters 200]
 
 Two batches: a B=256 decode batch and a mixed 8192-token batch (64 decodes plus 8 prefill
 chunks of 1016 tokens). Each op is timed two ways, in microseconds per call:
@@ -16,6 +16,7 @@ import argparse
 
 import torch
 
+from benchmarks.kernels.timing import graph_us, loop_us
 from weir.buffers import staged_write
 from weir.kernels import kv_store, triton_input_prep as tk, triton_kv_store
 from weir.runner import inputs
@@ -68,7 +69,7 @@ def op_calls(b: dict) -> dict[str, tuple]:
     T, bs = b["num_tokens"], BLOCK_SIZE
     prep = (b["token_ids"], b["num_computed"], b["idx_mapping"], b["query_start_loc"], T)
     slots = (b["block_tables"], b["query_start_loc"], b["positions"], bs)
-    fused = (b["block_table"], b["idx_mapping"], b["query_start_loc"], b["positions"], bs)
+    fused = (b["block_table"].unsqueeze(0), b["idx_mapping"], b["query_start_loc"], b["positions"], bs)  # one group
     post = (b["token_ids"], b["num_known"], b["num_computed"], b["counts"], b["idx_mapping"], b["query_lens"],
             b["sampled"])
     store = (b["kv_cache"], b["k"], b["v"], b["slot_mapping"])
@@ -93,39 +94,6 @@ def op_calls(b: dict) -> dict[str, tuple]:
     }
 
 
-def time_eager(call, iters: int) -> float:
-    for _ in range(3):
-        call()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        call()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / iters
-
-
-def time_graph(call, iters: int) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture, as torch.cuda.graphs advises
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / iters
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=200)
@@ -140,10 +108,10 @@ def main() -> None:
         print(f"\n{title}: {batch['num_tokens']} tokens, {len(query_lens)} requests")
         print(f"{'op':30} {'torch eager':>12} {'triton eager':>13} {'torch graph':>12} {'triton graph':>13}")
         for name, (torch_call, triton_call) in op_calls(batch).items():
-            cells = [f"{time_eager(torch_call, args.iters):12.1f}", f"{time_eager(triton_call, args.iters):13.1f}"]
+            cells = [f"{loop_us(torch_call, args.iters):12.1f}", f"{loop_us(triton_call, args.iters):13.1f}"]
             for call in (torch_call, triton_call):
                 try:
-                    cells.append(f"{time_graph(call, args.iters):12.1f}")
+                    cells.append(f"{graph_us(call, repeats=args.iters, iters=3):12.1f}")
                 except RuntimeError as error:  # an op that cannot be captured: say so, keep going
                     cells.append(f"{'n/a':>12}")
                     print(f"  ({name}: graph capture failed: {str(error).splitlines()[0]})")
