@@ -3,7 +3,7 @@
 torch spends five launches on softmax top-k (fp32 softmax, top-k gather, a sort, the
 renormalising sum and divide): its softmax, top-k and sort kernels alone took 22 us per layer
 at a 256-token decode step of the 512-expert qwen3-next-24l on an H200
-(scripts/profile_steps.py). Here one program per token loads its router logits and picks the
+(benchmarks/profile_steps.py). Here one program per token loads its router logits and picks the
 top ``k`` by repeated argmax over fp32 scores (ties go to the lower expert id), keeping the
 weights in registers: for ``softmax_top_k`` the scores are the softmax over all experts
 (optionally renormalised over the chosen ``k``), for ``top_k_softmax`` the logits themselves,
