@@ -45,6 +45,7 @@ class ModelConfig:
     load_format: str = "auto"  # "auto" (safetensors or gguf by what is there)
     # SamplingParams values for fields a request leaves out (the checkpoint's generation_config)
     sampling_defaults: tuple[tuple[str, float | int], ...] = ()
+    skip_tokenizer_init: bool = False  # no tokenizer: token-id prompts in, token ids out, empty text
 
     @property
     def is_gguf(self) -> bool:
@@ -102,6 +103,9 @@ class EngineArgs:
     model: str | None = field(default=None, metadata=_help(
         "HF checkpoint folder or .gguf file; default: the built-in SmolLM2-135M-Instruct"))
     tokenizer: str | None = field(default=None, metadata=_help("tokenizer folder (default: the model's)"))
+    skip_tokenizer_init: bool = field(default=False, metadata=_help(
+        "load no tokenizer: prompts must be token ids, outputs carry token ids and empty text (serves and "
+        "benchmarks a checkpoint that has no tokenizer files); text prompts, chat and stop strings are refused"))
     served_model_name: str | None = field(default=None, metadata=_help("model name reported to clients"))
     chat_template: str | None = field(default=None, metadata=_help("Jinja chat template file or string"))
     generation_config: str = field(default="auto", metadata=_help(
@@ -188,6 +192,7 @@ class EngineArgs:
             served_model_name=self.served_model_name or files.display_name,
             chat_template=chat_template or files.chat_template, load_format=self.load_format,
             sampling_defaults=self._sampling_defaults(files.weights_path),
+            skip_tokenizer_init=self.skip_tokenizer_init,
         )
         return EngineConfig(
             model=model_cfg,
@@ -237,6 +242,10 @@ class EngineArgs:
             raise ValueError(f"load_format must be one of {', '.join(_LOAD_FORMATS)}, got {self.load_format!r}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.skip_tokenizer_init:
+            for name in ("tokenizer", "chat_template"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} needs a tokenizer, but skip_tokenizer_init loads none: drop one of them")
         if self.generation_config not in ("auto", "none", "vllm") and not os.path.isdir(self.generation_config):
             raise ValueError(f"generation_config must be auto, none (or vllm) or a folder holding a "
                              f"generation_config.json, got {self.generation_config!r}")

@@ -8,13 +8,18 @@ from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any
 
+from weir.no_tokenizer import NoTokenizer, tokenizer_required_message
+
 
 # The files transformers builds a tokenizer from (fast, then slow ones).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 
 
 def load_tokenizer(model_config: Any) -> Any:
-    """Load the transformers tokenizer from ``model_config.tokenizer_path`` (folder or .gguf file)."""
+    """Load the transformers tokenizer from ``model_config.tokenizer_path`` (folder or .gguf file);
+    a ``NoTokenizer`` under ``skip_tokenizer_init``."""
+    if model_config.skip_tokenizer_init:
+        return NoTokenizer()
     from transformers import AutoTokenizer
 
     path = model_config.tokenizer_path
@@ -26,13 +31,18 @@ def load_tokenizer(model_config: Any) -> Any:
         hint = ""
         if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
             hint = (f" (the folder holds none of {', '.join(TOKENIZER_FILES)}: copy the model's tokenizer there "
-                    f"or name another with the tokenizer option)")
+                    f"or name another with the tokenizer option; or pass skip_tokenizer_init (--skip-tokenizer-init) "
+                    f"to run on token ids alone)")
         raise ValueError(f"cannot load a tokenizer from {path}{hint}: {error}") from error
 
 
 def start_loading_tokenizer(model_config: Any, pool: Executor) -> Future:
     """``load_tokenizer`` in ``pool`` (beside the model's load). transformers' lazy top-level names
     are not safe to resolve from two threads at once: ``AutoTokenizer`` is resolved here first."""
+    if model_config.skip_tokenizer_init:  # nothing to load, and no reason to import transformers for it
+        done: Future = Future()
+        done.set_result(NoTokenizer())
+        return done
     from transformers import AutoTokenizer  # noqa: F401
 
     return pool.submit(load_tokenizer, model_config)
@@ -91,6 +101,8 @@ def render_chat_template(tokenizer: Any, messages: list[dict[str, Any]], chat_te
     """The prompt text of ``messages`` (prepared by ``template_message``) and the ``tools`` the model
     may call, by the override template (or the tokenizer's own); ``template_kwargs`` are extra
     template variables (``enable_thinking`` for Qwen3, ...)."""
+    if isinstance(tokenizer, NoTokenizer):
+        raise ValueError(tokenizer_required_message("a chat request (its chat template) needs"))
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("the model has no chat template, so chat requests cannot be rendered; pass "
                          "one with --chat-template FILE (a Jinja template), or use plain completions")
