@@ -18,7 +18,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.
 def load_tokenizer(model_config: Any) -> Any:
     """Load the transformers tokenizer from ``model_config.tokenizer_path`` (folder or .gguf file);
     a ``NoTokenizer`` under ``skip_tokenizer_init``."""
-    if model_config.skip_tokenizer_init:
+    if getattr(model_config, "skip_tokenizer_init", False):
         return NoTokenizer()
     from transformers import AutoTokenizer
 
@@ -39,7 +39,7 @@ def load_tokenizer(model_config: Any) -> Any:
 def start_loading_tokenizer(model_config: Any, pool: Executor) -> Future:
     """``load_tokenizer`` in ``pool`` (beside the model's load). transformers' lazy top-level names
     are not safe to resolve from two threads at once: ``AutoTokenizer`` is resolved here first."""
-    if model_config.skip_tokenizer_init:  # nothing to load, and no reason to import transformers for it
+    if getattr(model_config, "skip_tokenizer_init", False):  # nothing to load: no transformers import either
         done: Future = Future()
         done.set_result(NoTokenizer())
         return done
