@@ -193,7 +193,8 @@ class LLMEngine:
             self._child_of[child.request.request_id] = (parent, child)
         self._parents[request_id] = parent
 
-    def _detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | TokenIdsOnly:
+    def _detokenizer(self, prompt_token_ids: list[int],
+                     params: SamplingParams) -> IncrementalDetokenizer | TokenIdsOnly:
         if not has_tokenizer(self.tokenizer):  # skip_tokenizer_init: token ids out, no text
             return TokenIdsOnly()
         return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
