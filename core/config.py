@@ -46,6 +46,9 @@ class ModelConfig:
     # SamplingParams values for fields a request leaves out (the checkpoint's generation_config)
     sampling_defaults: tuple[tuple[str, float | int], ...] = ()
     skip_tokenizer_init: bool = False  # no tokenizer: token-id prompts in, token ids out, empty text
+    # The .gguf weights' header (weir.weights.gguf_file.GGUFFile), parsed once while the config is
+    # read, so the weights and the tokenizer need not parse the file again; None otherwise.
+    gguf: Any = field(default=None, repr=False, compare=False)
 
     @property
     def is_gguf(self) -> bool:
@@ -192,7 +195,7 @@ class EngineArgs:
             served_model_name=self.served_model_name or files.display_name,
             chat_template=chat_template or files.chat_template, load_format=self.load_format,
             sampling_defaults=self._sampling_defaults(files.weights_path),
-            skip_tokenizer_init=self.skip_tokenizer_init,
+            skip_tokenizer_init=self.skip_tokenizer_init, gguf=files.gguf,
         )
         return EngineConfig(
             model=model_cfg,

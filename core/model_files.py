@@ -26,6 +26,7 @@ class ModelFiles:
     architecture: str  # e.g. "LlamaForCausalLM"
     eos_token_ids: tuple[int, ...]
     chat_template: str | None  # a template shipped beside the weights but outside the tokenizer
+    gguf: Any = None  # weir.weights.gguf_file.GGUFFile: the .gguf weights' header, parsed once
 
 
 def resolve_model_files(model: str | None, tokenizer: str | None) -> ModelFiles:
@@ -37,8 +38,9 @@ def resolve_model_files(model: str | None, tokenizer: str | None) -> ModelFiles:
     if not path.exists():
         raise FileNotFoundError(_missing_model_message(model))
     gguf_file = _gguf_file_in(path)
+    gguf = None
     if gguf_file is not None:
-        hf_config = _load_gguf_config(gguf_file)
+        gguf, hf_config = _load_gguf_config(gguf_file)
         weights_path = gguf_file
     else:
         hf_config = _load_folder_config(path)
@@ -52,7 +54,7 @@ def resolve_model_files(model: str | None, tokenizer: str | None) -> ModelFiles:
     return ModelFiles(
         display_name=model, weights_path=weights_path, tokenizer_path=tokenizer_path,
         hf_config=hf_config, architecture=_architecture(hf_config, weights_path),
-        eos_token_ids=eos_ids, chat_template=_side_chat_template(weights_path, tokenizer_path),
+        eos_token_ids=eos_ids, chat_template=_side_chat_template(weights_path, tokenizer_path), gguf=gguf,
     )
 
 
@@ -67,14 +69,14 @@ def _missing_model_message(model: str) -> str:
 
 def _default_model_files(tokenizer: str | None) -> ModelFiles:
     gguf_file = default_model.ensure_default_model()
-    hf_config = _load_gguf_config(gguf_file)
+    gguf, hf_config = _load_gguf_config(gguf_file)
     return ModelFiles(
         display_name=default_model.DEFAULT_MODEL_NAME, weights_path=gguf_file,
         tokenizer_path=_tokenizer_path(tokenizer, default=gguf_file), hf_config=hf_config,
         architecture=_architecture(hf_config, gguf_file),
         # The GGUF metadata names <|im_start|> as eos in some transformers versions; the
         # chat model ends its turns with <|im_end|>, and that is the only stop we want.
-        eos_token_ids=(default_model.DEFAULT_MODEL_EOS_TOKEN_ID,), chat_template=None,
+        eos_token_ids=(default_model.DEFAULT_MODEL_EOS_TOKEN_ID,), chat_template=None, gguf=gguf,
     )
 
 
@@ -98,14 +100,14 @@ def _gguf_file_in(path: Path) -> Path | None:
                      f"config.json; pass the one to load as the model path")
 
 
-def _load_gguf_config(gguf_file: Path) -> Any:
-    from transformers import AutoConfig
+def _load_gguf_config(gguf_file: Path) -> tuple[Any, Any]:
+    """``(GGUFFile, transformers config)``: the header is parsed here once, and the weights and
+    the tokenizer are read from it later."""
+    from weir.weights.gguf_config import hf_config_from_gguf
+    from weir.weights.gguf_file import GGUFFile
 
-    try:
-        return AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, local_files_only=True)
-    except Exception as error:  # a broken file fails anywhere in the reader (struct.error, ...)
-        raise ValueError(f"cannot read the model config from {gguf_file}: {type(error).__name__}: {error}") \
-            from error
+    gguf = GGUFFile.read(gguf_file)
+    return gguf, hf_config_from_gguf(gguf)
 
 
 def _load_folder_config(folder: Path) -> Any:
@@ -223,8 +225,10 @@ def _tokenizer_eos(tokenizer_path: Path, weights_path: Path) -> list[int]:
         return _folder_tokenizer_eos(tokenizer_path)
     if tokenizer_path == weights_path:
         return []  # a GGUF's tokenizer eos is the config eos already read from the same metadata
-    return _as_id_list(getattr(_load_gguf_config(tokenizer_path), "eos_token_id", None),
-                       f"eos_token_id in {tokenizer_path}")
+    from weir.weights.gguf_file import GGUFFile
+
+    return _as_id_list(GGUFFile.read(tokenizer_path).metadata.get("tokenizer.ggml.eos_token_id"),
+                       f"tokenizer.ggml.eos_token_id in {tokenizer_path}")
 
 
 def _folder_tokenizer_eos(folder: Path) -> list[int]:

@@ -25,7 +25,8 @@ def load_tokenizer(model_config: Any) -> Any:
     path = model_config.tokenizer_path
     try:
         if path.suffix == ".gguf":
-            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+            tokenizer_class = _gguf_tokenizer_class(model_config) or AutoTokenizer
+            return tokenizer_class.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as error:
         hint = ""
@@ -34,6 +35,29 @@ def load_tokenizer(model_config: Any) -> Any:
                     f"or name another with the tokenizer option; or pass skip_tokenizer_init (--skip-tokenizer-init) "
                     f"to run on token ids alone)")
         raise ValueError(f"cannot load a tokenizer from {path}{hint}: {error}") from error
+
+
+def _gguf_tokenizer_class(model_config: Any) -> type | None:
+    """The class ``AutoTokenizer`` picks for the model's own .gguf file, or None to let it pick.
+
+    ``AutoTokenizer`` first rebuilds the model config from the file, with the gguf package's slow
+    reader (seconds for a 49k vocabulary), only to choose the class: for a GGUF with no
+    tokenizer_config.json beside it that is the model type's registered tokenizer, else
+    ``TokenizersBackend``. The engine has that config already, so choose here.
+    """
+    path = model_config.tokenizer_path
+    if path != model_config.weights_path or (path.parent / "tokenizer_config.json").exists():
+        return None  # another file, or a folder whose tokenizer_config.json may name the class
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+
+    try:
+        from transformers import TokenizersBackend
+    except ImportError:  # transformers without the v5 tokenizer classes: let AutoTokenizer choose
+        return None
+    registered = TOKENIZER_MAPPING_NAMES.get(getattr(model_config.hf_config, "model_type", None))
+    if not registered:
+        return TokenizersBackend
+    return tokenizer_class_from_name(registered if isinstance(registered, str) else registered[-1])
 
 
 def start_loading_tokenizer(model_config: Any, pool: Executor) -> Future:
