@@ -161,8 +161,12 @@ class EngineArgs:
     def _sampling_defaults(self, weights_path: Path) -> tuple[tuple[str, float | int], ...]:
         from weir.model_files import generation_config_sampling
 
+        from weir import default_model
+
         if self.generation_config in ("none", "vllm"):  # vllm: vLLM's spelling of "ignore the file"
             return ()
+        if self.generation_config == "auto" and default_model.is_default_model_file(weights_path):
+            return default_model.DEFAULT_MODEL_SAMPLING_DEFAULTS  # its GGUF carries none
         folder = weights_path if self.generation_config == "auto" else Path(self.generation_config)
         return generation_config_sampling(folder)
 

@@ -58,6 +58,32 @@ def resolve_model_files(model: str | None, tokenizer: str | None) -> ModelFiles:
     )
 
 
+def model_context_length(model: str | None) -> int:
+    """The context length ``model`` declares (``max_position_embeddings``, or a GGUF's
+    ``<arch>.context_length``), read from its config file or GGUF header alone, without building
+    its config; 4096, as the engine assumes, when it declares none. Errors are left to the engine,
+    which reports them in full when it starts."""
+    path = Path(model).expanduser() if model is not None else None
+    try:
+        if path is None or (model == default_model.DEFAULT_MODEL_NAME and not path.exists()):
+            path = default_model.ensure_default_model()
+        gguf_file = _gguf_file_in(path)
+        if gguf_file is not None:
+            from weir.weights.gguf_file import GGUFFile
+
+            metadata = GGUFFile.read(gguf_file).metadata
+            declared = metadata.get(f"{metadata.get('general.architecture')}.context_length")
+        else:
+            declared = read_json_object(path / "config.json").get("max_position_embeddings")
+    except (OSError, ValueError):
+        return _ASSUMED_CONTEXT_LENGTH
+    return declared if _is_token_id(declared) and declared > 0 else _ASSUMED_CONTEXT_LENGTH
+
+
+# What the engine takes a model that declares no context length to have (weir.config).
+_ASSUMED_CONTEXT_LENGTH = 4096
+
+
 def _missing_model_message(model: str) -> str:
     message = (f"model path {model!r} does not exist. Weir loads only local checkpoints (an HF "
                f"folder with config.json, or a .gguf file) and does not download checkpoints")
