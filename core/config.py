@@ -27,7 +27,8 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 
-_LOAD_FORMATS = ("auto", "dummy")
+# "safetensors" and "gguf" as vLLM spells them: the same as "auto", checked against what is there.
+_LOAD_FORMATS = ("auto", "dummy", "safetensors", "gguf")
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,8 @@ class EngineArgs:
         "repetition_penalty, max_new_tokens) are the defaults of requests that set none, as vLLM does; a "
         "folder: its generation_config.json instead; none (or vllm): Weir's own defaults"))
     load_format: str = field(default="auto", metadata=_help(
-        "auto: the checkpoint's weights; dummy: random weights, config.json alone suffices (benchmarks)"))
+        "auto: the checkpoint's weights; dummy: random weights, config.json alone suffices (benchmarks); "
+        "safetensors / gguf: as auto, for a checkpoint of that kind (as vLLM)"))
     device: str | None = field(default=None, metadata=_help("platform: cpu, cuda, rocm, xpu (default: detect)"))
     dtype: str = field(default="auto", metadata=_help("auto, float32, bfloat16, float16"))
     max_model_len: int | None = field(default=None, metadata=_help("context length (default: the model's)"))
@@ -135,7 +137,8 @@ class EngineArgs:
         "float16 for half their memory and traffic (vLLM keeps them in the model dtype)"))
     async_scheduling: bool = field(default=True, metadata=_help(
         "schedule the next step while the current one runs"))
-    tensor_parallel_size: int = field(default=1, metadata=_help("devices to shard the model over"))
+    tensor_parallel_size: int = field(default=1, metadata=_help(
+        "devices to shard the model over; only 1: tensor parallelism is not implemented yet"))
     attention_backend: str | None = field(default=None, metadata=_help(
         "attention backend, or several separated by commas (e.g. triton,gdn_torch); each serves the layer "
         "kinds it supports, the platform's defaults serve the rest"))
@@ -143,6 +146,8 @@ class EngineArgs:
     seed: int = field(default=0, metadata=_help("seed for requests that set none"))
     max_logprobs: int = field(default=20, metadata=_help("most top logprobs a request may ask for"))
     enforce_eager: bool = field(default=False, metadata=_help("no graphs"))
+    disable_log_requests: bool = field(default=False, metadata=_help(
+        "accepted so vLLM command lines run: Weir writes no log line per request, so there is nothing to turn off"))
     trust_remote_code: bool = field(default=False, metadata=_help(
         "accepted so vLLM command lines run; Weir never runs a checkpoint's own code (its models are plugins)"))
 
@@ -180,6 +185,7 @@ class EngineArgs:
                            "checkpoint's")
         chat_template = None if self.chat_template is None else load_chat_template(self.chat_template)
         files = resolve_model_files(self.model, self.tokenizer)
+        _check_load_format(self.load_format, files.weights_path)
         hf_config = files.hf_config
         architecture = files.architecture
         _check_unquantized(hf_config, files.display_name, self.load_format)
@@ -244,7 +250,8 @@ class EngineArgs:
         if self.linear_state_dtype not in _DTYPES:
             raise ValueError(f"linear_state_dtype must be one of {', '.join(_DTYPES)}, got {self.linear_state_dtype!r}")
         if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not "
+                             f"implemented yet; Weir runs a model on one device (tensor_parallel_size 1)")
         if self.load_format not in _LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(_LOAD_FORMATS)}, got {self.load_format!r}")
         if self.max_logprobs < 0:
@@ -274,6 +281,14 @@ def _as_kind(kind: str, value: Any, paths_allowed: bool) -> Any:
     if isinstance(value, str):
         return value
     return os.fspath(value) if paths_allowed and isinstance(value, os.PathLike) else None
+
+
+def _check_load_format(load_format: str, weights_path: Path) -> None:
+    is_gguf = weights_path.suffix == ".gguf"
+    if (load_format == "safetensors" and is_gguf) or (load_format == "gguf" and not is_gguf):
+        found = "a .gguf file" if is_gguf else "a checkpoint folder (safetensors)"
+        raise ValueError(f"load_format={load_format!r}, but {weights_path} is {found}: pass load_format 'auto' "
+                         f"(or the format it is)")
 
 
 def _check_unquantized(hf_config, model_name: str, load_format: str) -> None:

@@ -80,6 +80,17 @@ def model_context_length(model: str | None) -> int:
     return declared if _is_token_id(declared) and declared > 0 else _ASSUMED_CONTEXT_LENGTH
 
 
+def has_tokenizer_files(model: str) -> bool:
+    """Whether ``model`` carries a tokenizer: a GGUF always does; a folder when it holds one of
+    the files transformers builds a tokenizer from."""
+    from weir.tokenizer import TOKENIZER_FILES
+
+    path = Path(model).expanduser()
+    if not path.is_dir() or not (path / "config.json").is_file():
+        return True  # a .gguf file, a folder of one, or an error the engine reports
+    return any((path / name).is_file() for name in TOKENIZER_FILES)
+
+
 # What the engine takes a model that declares no context length to have (weir.config).
 _ASSUMED_CONTEXT_LENGTH = 4096
 
@@ -140,12 +151,28 @@ def _load_folder_config(folder: Path) -> Any:
     from transformers import AutoConfig
 
     config_file = folder / "config.json"
-    read_json_object(config_file)  # a clear error naming the file beats transformers' generic one
+    content = read_json_object(config_file)  # a clear error naming the file beats transformers' generic one
+    _check_model_type_known(content.get("model_type"), config_file)
     try:
         return AutoConfig.from_pretrained(folder, local_files_only=True)
     except Exception as error:  # field type checks, a zero head count, a bogus torch_dtype, ...
         raise ValueError(f"cannot read the model config {config_file}: {type(error).__name__}: {error}") \
             from error
+
+
+def _check_model_type_known(model_type: Any, config_file: Path) -> None:
+    """An unknown ``model_type`` gets transformers' "upgrade transformers" advice, which misleads:
+    Weir runs its own model code, so say what it serves instead."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if not isinstance(model_type, str) or model_type in CONFIG_MAPPING_NAMES:
+        return  # no model_type: transformers' own message names the missing field
+    from weir.plugin_manager import load_plugins
+
+    architectures = ", ".join(sorted(load_plugins().models))
+    raise ValueError(f"{config_file} has model_type {model_type!r}, which neither Weir nor the transformers it reads "
+                     f"configs with knows. Weir serves these architectures (config.json `architectures`): "
+                     f"{architectures}; a model plugin adds others (`weir plugins` lists what is registered)")
 
 
 def read_json_object(file: Path) -> dict:

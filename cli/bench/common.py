@@ -93,3 +93,21 @@ def human_bytes(num_bytes: float) -> str:
         if abs(num_bytes) >= scale:
             return f"{num_bytes / scale:.2f} {unit}"
     return f"{num_bytes:.0f} B"
+
+
+def sized_for_workload(model: str, engine_options: dict[str, Any], longest_prompt: int,
+                       longest_output: int) -> dict[str, Any]:
+    """Engine options for a benchmark whose requests are known before the engine starts, where
+    the user set none: a context of the longest prompt plus the longest output (the model's own
+    is often far longer, 40,960 tokens for Qwen3, which a CPU's KV cache cannot hold for even one
+    request), and no tokenizer when the model has no tokenizer files (the workloads are token
+    ids; ``skip_tokenizer_init``)."""
+    from weir.model_files import has_tokenizer_files, model_context_length
+
+    options = dict(engine_options)
+    if "max_model_len" not in options:
+        options["max_model_len"] = min(longest_prompt + longest_output, model_context_length(model))
+    if "skip_tokenizer_init" not in options and "tokenizer" not in options and not has_tokenizer_files(model):
+        typer.echo(f"{model} has no tokenizer files: running on token ids alone (skip_tokenizer_init)")
+        options["skip_tokenizer_init"] = True
+    return options
