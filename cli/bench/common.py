@@ -36,13 +36,18 @@ def token_id_bound(llm: Any) -> int:
     return min(PROMPT_TOKEN_ID_BOUND, llm.engine.model_config.vocab_size - 1)
 
 
+# warm_up's longest request: its context must fit too.
+WARM_UP_PROMPT_LEN, WARM_UP_MAX_TOKENS = 16, 8
+
+
 def warm_up(llm: Any) -> None:
     """Two short requests, so first-call costs (allocator growth, kernel selection, lazy
     compilation) stay out of the timed run."""
     from weir.sampling_params import SamplingParams
 
-    prompts = [{"prompt_token_ids": list(range(1, 17))}, {"prompt_token_ids": list(range(17, 25))}]
-    llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    prompts = [{"prompt_token_ids": list(range(1, WARM_UP_PROMPT_LEN + 1))},
+               {"prompt_token_ids": list(range(17, 25))}]
+    llm.generate(prompts, SamplingParams(max_tokens=WARM_UP_MAX_TOKENS, ignore_eos=True), use_tqdm=False)
 
 
 def check_fits(llm: Any, longest_prompt: int, longest_output: int) -> None:
@@ -106,7 +111,8 @@ def sized_for_workload(model: str, engine_options: dict[str, Any], longest_promp
 
     options = dict(engine_options)
     if "max_model_len" not in options:
-        options["max_model_len"] = min(longest_prompt + longest_output, model_context_length(model))
+        longest = max(longest_prompt + longest_output, WARM_UP_PROMPT_LEN + WARM_UP_MAX_TOKENS)
+        options["max_model_len"] = min(longest, model_context_length(model))
     if "skip_tokenizer_init" not in options and "tokenizer" not in options and not has_tokenizer_files(model):
         typer.echo(f"{model} has no tokenizer files: running on token ids alone (skip_tokenizer_init)")
         options["skip_tokenizer_init"] = True
