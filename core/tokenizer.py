@@ -27,7 +27,7 @@ def load_tokenizer(model_config: Any) -> Any:
         if path.suffix == ".gguf":
             tokenizer_class = _gguf_tokenizer_class(model_config) or AutoTokenizer
             return tokenizer_class.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, **_mistral_regex_options(path))
     except (OSError, ValueError, KeyError) as error:
         hint = ""
         if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
@@ -35,6 +35,29 @@ def load_tokenizer(model_config: Any) -> Any:
                     f"or name another with the tokenizer option; or pass skip_tokenizer_init (--skip-tokenizer-init) "
                     f"to run on token ids alone)")
         raise ValueError(f"cannot load a tokenizer from {path}{hint}: {error}") from error
+
+
+# The model types whose tokenizers transformers' Mistral pre-tokenizer regex check is about.
+MISTRAL_MODEL_TYPES = frozenset({"mistral", "mistral3", "voxtral", "ministral", "pixtral"})
+
+
+def _mistral_regex_options(folder: Path) -> dict[str, bool]:
+    """``fix_mistral_regex=False`` for a tokenizer folder whose config.json names a model type that
+    is not Mistral's. transformers (5.17 among others) checks every tokenizer of over 100k tokens
+    for a faulty Mistral regex, and takes a config.json without ``transformers_version`` (the
+    Qwen3 configs in benchmarks/models, say) for a Mistral one: it then warns "incorrect regex
+    pattern" on every start. Saying False, as its warning asks, is what it concludes itself for
+    any other model type; Mistral models and folders without a config keep its check."""
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        return {}
+    try:
+        model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
+    except (ValueError, AttributeError):  # not JSON, or not an object: transformers' check decides
+        return {}
+    if not isinstance(model_type, str) or model_type in MISTRAL_MODEL_TYPES:
+        return {}
+    return {"fix_mistral_regex": False}
 
 
 def _gguf_tokenizer_class(model_config: Any) -> type | None:
