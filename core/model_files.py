@@ -303,6 +303,10 @@ def _folder_tokenizer_eos(folder: Path) -> list[int]:
     tokenizer_file = folder / "tokenizer.json"
     if not tokenizer_file.is_file():
         return []
+    text = tokenizer_file.read_text(encoding="utf-8")
+    for token in _leading_added_tokens(text) or []:
+        if token.get("content") == eos_token:
+            return [_parse_token_id(token.get("id"), f"the id of {eos_token!r} in {tokenizer_file}")]
     tokenizer_json = read_json_object(tokenizer_file)
     added = tokenizer_json.get("added_tokens", [])
     if not isinstance(added, list) or not all(isinstance(token, dict) for token in added):
@@ -315,6 +319,25 @@ def _folder_tokenizer_eos(folder: Path) -> list[int]:
     if isinstance(vocab, dict) and eos_token in vocab:
         return [_parse_token_id(vocab[eos_token], f"the id of {eos_token!r} in {tokenizer_file}")]
     return []
+
+
+def _leading_added_tokens(text: str) -> list[dict] | None:
+    """The ``added_tokens`` list of a tokenizer.json, decoded alone. The special tokens (eos among
+    them) sit there, ahead of a vocabulary and merges of tens of MB: Qwen's 19 MB file took a
+    second to parse whole, on every start. None when the list is not where tokenizers writes it
+    (the caller then parses the whole file)."""
+    key = text.find('"added_tokens"', 0, 4096)  # tokenizers writes it among the first keys
+    if key < 0:
+        return None
+    colon = text.find(":", key)
+    start = colon + 1 + len(text[colon + 1:colon + 65]) - len(text[colon + 1:colon + 65].lstrip())
+    try:
+        added, _ = json.JSONDecoder().raw_decode(text, start)
+    except ValueError:
+        return None
+    if not isinstance(added, list) or not all(isinstance(token, dict) for token in added):
+        return None
+    return added
 
 
 def _parse_token_id(value: Any, where: str) -> int:

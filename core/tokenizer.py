@@ -69,7 +69,7 @@ def _gguf_tokenizer_class(model_config: Any) -> type | None:
     ``TokenizersBackend``. The engine has that config already, so choose here.
     """
     path = model_config.tokenizer_path
-    if path != model_config.weights_path or (path.parent / "tokenizer_config.json").exists():
+    if path != getattr(model_config, "weights_path", None) or (path.parent / "tokenizer_config.json").exists():
         return None  # another file, or a folder whose tokenizer_config.json may name the class
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
 
