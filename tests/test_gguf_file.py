@@ -119,3 +119,32 @@ def test_a_broken_file_is_an_error_naming_it(quantized_file, tmp_path, damage):
     broken.write_bytes(b"NOPE" + data[4:] if damage == "magic" else data[:200])
     with pytest.raises(ValueError, match="broken.gguf"):
         GGUFFile.read(broken)
+
+
+@pytest.mark.parametrize("config_class, gguf_arch, architecture", [
+    ("LlamaConfig", "llama", "LlamaForCausalLM"), ("Qwen3Config", "qwen3", "Qwen3ForCausalLM"),
+])
+def test_weirs_model_names_the_gguf_tensors_as_transformers_model_does(config_class, gguf_arch, architecture):
+    """iter_gguf takes the HF names from Weir's own model instead of importing transformers'."""
+    from pathlib import Path
+
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    from weir.config import ModelConfig
+    from weir.weights.gguf import _gguf_to_hf_names, _weir_checkpoint_names
+
+    for tied in (True, False):
+        hf_config = getattr(transformers, config_class)(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, tie_word_embeddings=tied, architectures=[architecture])
+        model_config = ModelConfig(model="m", weights_path=Path("m.gguf"), tokenizer_path=Path("m.gguf"),
+                                   architecture=architecture, hf_config=hf_config, dtype=torch.float32,
+                                   max_model_len=64, eos_token_ids=(1,), served_model_name="m")
+        processor = TENSOR_PROCESSORS.get(gguf_arch, TensorProcessor)(config=hf_config.to_dict())
+        with torch.device("meta"):
+            expected = get_gguf_hf_weights_map(AutoModelForCausalLM.from_config(hf_config), processor)
+        names = _weir_checkpoint_names(model_config)
+        assert names is not None and _gguf_to_hf_names(hf_config, processor, names) == expected

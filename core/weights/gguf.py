@@ -41,7 +41,7 @@ def iter_gguf(model_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     gguf_file = model_config.gguf if getattr(model_config, "gguf", None) is not None else GGUFFile.read(path)
     hf_config = model_config.hf_config
     processor = TENSOR_PROCESSORS.get(gguf_file.architecture, TensorProcessor)(config=hf_config.to_dict())
-    name_map = _gguf_to_hf_names(hf_config, processor)
+    name_map = _gguf_to_hf_names(hf_config, processor, _weir_checkpoint_names(model_config))
     # Processors that merge several GGUF tensors into one HF tensor (MoE experts) stash the
     # merged result here instead of returning it.
     merged: dict[str, dict[str, torch.Tensor]] = {"tensors": {}}
@@ -102,14 +102,29 @@ class _ModuleNames:
                 for name, child_names in self._children.items()]
 
 
-def _gguf_to_hf_names(hf_config: Any, processor: Any) -> dict[str, str]:
-    """``{gguf_name: hf_name}`` for the HF causal-LM class of ``hf_config``."""
-    from transformers import AutoModelForCausalLM
+def _weir_checkpoint_names(model_config: Any) -> list[str] | None:
+    """The HF tensor names Weir's own model of this architecture loads, or None when no plugin
+    serves it here. They name the GGUF tensors as transformers' model's state dict would, without
+    importing transformers' modeling code for it (over a second of imports at every start)."""
+    from weir.plugin_manager import load_plugins
+    from weir.weights.loader import checkpoint_names
+
+    registry = load_plugins()
+    if model_config.architecture not in registry.models:
+        return None
+    return checkpoint_names(registry.resolve_model(model_config.architecture), model_config)
+
+
+def _gguf_to_hf_names(hf_config: Any, processor: Any, names: list[str] | None = None) -> dict[str, str]:
+    """``{gguf_name: hf_name}`` for ``names`` (HF checkpoint names), by default the state dict of
+    the HF causal-LM class of ``hf_config``."""
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
-    with torch.device("meta"):  # names only: no memory, no init cost
-        hf_model = AutoModelForCausalLM.from_config(hf_config)
-    names = list(hf_model.state_dict())
+    if names is None:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):  # names only: no memory, no init cost
+            names = list(AutoModelForCausalLM.from_config(hf_config).state_dict())
     children: dict[str, list[str]] = {}
     for name in names:
         if "." in name:
