@@ -13,6 +13,8 @@ from weir.config import EngineArgs
 
 # Fields given as a command's positional argument rather than as a flag.
 _POSITIONAL = {"model"}
+# vLLM's short spellings of engine flags.
+_SHORT_FLAGS = {"tensor_parallel_size": ["-tp"]}
 
 
 def engine_option_fields() -> list[dataclasses.Field]:
@@ -21,21 +23,32 @@ def engine_option_fields() -> list[dataclasses.Field]:
 
 def with_engine_options(command):
     """Give ``command`` one ``--flag`` per ``EngineArgs`` field; it receives them as ``engine_options``
-    (a dict of only the flags that differ from their defaults)."""
+    (a dict of only the flags that differ from their defaults). A command whose MODEL is a
+    positional argument also takes it as ``--model MODEL``, as vLLM's commands do."""
     hints = typing.get_type_hints(EngineArgs)
     signature = inspect.signature(command)
     parameters = [p for p in signature.parameters.values() if p.name != "engine_options"]
+    model_is_positional = any(p.name == "model" and isinstance(p.default, typer.models.ArgumentInfo)
+                              for p in parameters)
+    if model_is_positional:
+        # Not required any more: either spelling gives it (checked in the wrapper).
+        parameters = [p.replace(default=typer.Argument(None, metavar="MODEL", help=p.default.help))
+                      if p.name == "model" else p for p in parameters]
+        parameters.append(inspect.Parameter("model_flag", inspect.Parameter.KEYWORD_ONLY, annotation=str | None,
+                                            default=typer.Option(None, "--model", help="MODEL, as vLLM spells it")))
     for field in engine_option_fields():
         flag = "--" + field.name.replace("_", "-")
         if hints[field.name] is bool:
             flag = f"{flag}/--no-{field.name.replace('_', '-')}"
-        option = typer.Option(field.default, flag, help=field.metadata.get("help"),
+        option = typer.Option(field.default, flag, *_SHORT_FLAGS.get(field.name, []), help=field.metadata.get("help"),
                               rich_help_panel="Engine options", show_default=True)
         parameters.append(inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY,
                                             default=option, annotation=hints[field.name]))
 
     @functools.wraps(command)
     def wrapper(**kwargs):
+        if model_is_positional:
+            kwargs["model"] = _one_model(kwargs["model"], kwargs.pop("model_flag"), signature)
         engine_options = {}
         for field in engine_option_fields():
             value = kwargs.pop(field.name)
@@ -45,3 +58,14 @@ def with_engine_options(command):
 
     wrapper.__signature__ = signature.replace(parameters=parameters)
     return wrapper
+
+
+def _one_model(positional: str | None, flag: str | None, signature: inspect.Signature) -> str | None:
+    if positional is not None and flag is not None and positional != flag:
+        raise typer.BadParameter(f"MODEL {positional!r} and --model {flag!r} differ; give one of them",
+                                 param_hint="--model")
+    model = positional if positional is not None else flag
+    model_required = signature.parameters["model"].default.default is ...
+    if model is None and model_required:
+        raise typer.BadParameter("give the model, as MODEL or --model MODEL", param_hint="MODEL")
+    return model

@@ -10,6 +10,25 @@ import typer
 
 from weir.cli.engine_options import with_engine_options
 
+# Tokens a chat template may add around one user message (role markers, a default system prompt):
+# generous, since the text is not tokenized before the engine starts.
+TEMPLATE_ALLOWANCE_TOKENS = 1024
+
+
+def sized_for_one_prompt(model: str | None, prompt: str, max_tokens: int, engine_options: dict) -> dict:
+    """Engine options sized to this one request, where the user set none: one sequence, and a
+    context of the prompt (at most one token per UTF-8 byte, plus the chat template's allowance)
+    and its output. The KV cache then holds what this request can use, not the platform's default
+    (4 GiB zeroed on the CPU for a two-word prompt); max_model_len never exceeds the model's own."""
+    from weir.model_files import model_context_length
+
+    options = dict(engine_options)
+    options.setdefault("max_num_seqs", 1)
+    if "max_model_len" not in options:
+        wanted = len(prompt.encode()) + TEMPLATE_ALLOWANCE_TOKENS + max_tokens
+        options["max_model_len"] = min(wanted, model_context_length(model))
+    return options
+
 
 @with_engine_options
 def generate(
@@ -33,7 +52,7 @@ def generate(
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=sampling_seed)
-        llm = LLM(model, **(engine_options or {}))
+        llm = LLM(model, **sized_for_one_prompt(model, prompt, max_tokens, engine_options or {}))
         start = time.perf_counter()
         if chat:
             output = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]

@@ -21,8 +21,17 @@ app = typer.Typer(
 )
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        from weir import __version__
+
+        typer.echo(f"weir {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _main() -> None:
+def _main(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="print Weir's version and exit")) -> None:
     """Weir: a small, fast LLM inference and serving engine."""
 
 

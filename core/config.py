@@ -44,7 +44,8 @@ def _float32() -> "torch.dtype":
     return torch_dtype("float32")
 
 
-_LOAD_FORMATS = ("auto", "dummy")
+# "safetensors" and "gguf" as vLLM spells them: the same as "auto", checked against what is there.
+_LOAD_FORMATS = ("auto", "dummy", "safetensors", "gguf")
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,10 @@ class ModelConfig:
     load_format: str = "auto"  # "auto" (safetensors or gguf by what is there)
     # SamplingParams values for fields a request leaves out (the checkpoint's generation_config)
     sampling_defaults: tuple[tuple[str, float | int], ...] = ()
+    skip_tokenizer_init: bool = False  # no tokenizer: token-id prompts in, token ids out, empty text
+    # The .gguf weights' header (weir.weights.gguf_file.GGUFFile), parsed once while the config is
+    # read, so the weights and the tokenizer need not parse the file again; None otherwise.
+    gguf: Any = field(default=None, repr=False, compare=False)
 
     @property
     def is_gguf(self) -> bool:
@@ -120,6 +125,9 @@ class EngineArgs:
     model: str | None = field(default=None, metadata=_help(
         "HF checkpoint folder or .gguf file; default: the built-in SmolLM2-135M-Instruct"))
     tokenizer: str | None = field(default=None, metadata=_help("tokenizer folder (default: the model's)"))
+    skip_tokenizer_init: bool = field(default=False, metadata=_help(
+        "load no tokenizer: prompts must be token ids, outputs carry token ids and empty text (serves and "
+        "benchmarks a checkpoint that has no tokenizer files); text prompts, chat and stop strings are refused"))
     served_model_name: str | None = field(default=None, metadata=_help("model name reported to clients"))
     chat_template: str | None = field(default=None, metadata=_help("Jinja chat template file or string"))
     generation_config: str = field(default="auto", metadata=_help(
@@ -127,7 +135,8 @@ class EngineArgs:
         "repetition_penalty, max_new_tokens) are the defaults of requests that set none, as vLLM does; a "
         "folder: its generation_config.json instead; none (or vllm): Weir's own defaults"))
     load_format: str = field(default="auto", metadata=_help(
-        "auto: the checkpoint's weights; dummy: random weights, config.json alone suffices (benchmarks)"))
+        "auto: the checkpoint's weights; dummy: random weights, config.json alone suffices (benchmarks); "
+        "safetensors / gguf: as auto, for a checkpoint of that kind (as vLLM)"))
     device: str | None = field(default=None, metadata=_help("platform: cpu, cuda, rocm, xpu (default: detect)"))
     dtype: str = field(default="auto", metadata=_help("auto, float32, bfloat16, float16"))
     max_model_len: int | None = field(default=None, metadata=_help("context length (default: the model's)"))
@@ -146,7 +155,8 @@ class EngineArgs:
         "float16 for half their memory and traffic (vLLM keeps them in the model dtype)"))
     async_scheduling: bool = field(default=True, metadata=_help(
         "schedule the next step while the current one runs"))
-    tensor_parallel_size: int = field(default=1, metadata=_help("devices to shard the model over"))
+    tensor_parallel_size: int = field(default=1, metadata=_help(
+        "devices to shard the model over; only 1: tensor parallelism is not implemented yet"))
     attention_backend: str | None = field(default=None, metadata=_help(
         "attention backend, or several separated by commas (e.g. triton,gdn_torch); each serves the layer "
         "kinds it supports, the platform's defaults serve the rest"))
@@ -154,6 +164,8 @@ class EngineArgs:
     seed: int = field(default=0, metadata=_help("seed for requests that set none"))
     max_logprobs: int = field(default=20, metadata=_help("most top logprobs a request may ask for"))
     enforce_eager: bool = field(default=False, metadata=_help("no graphs"))
+    disable_log_requests: bool = field(default=False, metadata=_help(
+        "accepted so vLLM command lines run: Weir writes no log line per request, so there is nothing to turn off"))
     trust_remote_code: bool = field(default=False, metadata=_help(
         "accepted so vLLM command lines run; Weir never runs a checkpoint's own code (its models are plugins)"))
 
@@ -172,8 +184,12 @@ class EngineArgs:
     def _sampling_defaults(self, weights_path: Path) -> tuple[tuple[str, float | int], ...]:
         from weir.model_files import generation_config_sampling
 
+        from weir import default_model
+
         if self.generation_config in ("none", "vllm"):  # vllm: vLLM's spelling of "ignore the file"
             return ()
+        if self.generation_config == "auto" and default_model.is_default_model_file(weights_path):
+            return default_model.DEFAULT_MODEL_SAMPLING_DEFAULTS  # its GGUF carries none
         folder = weights_path if self.generation_config == "auto" else Path(self.generation_config)
         return generation_config_sampling(folder)
 
@@ -187,6 +203,7 @@ class EngineArgs:
                            "checkpoint's")
         chat_template = None if self.chat_template is None else load_chat_template(self.chat_template)
         files = resolve_model_files(self.model, self.tokenizer)
+        _check_load_format(self.load_format, files.weights_path)
         hf_config = files.hf_config
         architecture = files.architecture
         _check_unquantized(hf_config, files.display_name, self.load_format)
@@ -206,6 +223,7 @@ class EngineArgs:
             served_model_name=self.served_model_name or files.display_name,
             chat_template=chat_template or files.chat_template, load_format=self.load_format,
             sampling_defaults=self._sampling_defaults(files.weights_path),
+            skip_tokenizer_init=self.skip_tokenizer_init, gguf=files.gguf,
         )
         return EngineConfig(
             model=model_cfg,
@@ -250,11 +268,16 @@ class EngineArgs:
         if self.linear_state_dtype not in _DTYPES:
             raise ValueError(f"linear_state_dtype must be one of {', '.join(_DTYPES)}, got {self.linear_state_dtype!r}")
         if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not "
+                             f"implemented yet; Weir runs a model on one device (tensor_parallel_size 1)")
         if self.load_format not in _LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(_LOAD_FORMATS)}, got {self.load_format!r}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.skip_tokenizer_init:
+            for name in ("tokenizer", "chat_template"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} needs a tokenizer, but skip_tokenizer_init loads none: drop one of them")
         if self.generation_config not in ("auto", "none", "vllm") and not os.path.isdir(self.generation_config):
             raise ValueError(f"generation_config must be auto, none (or vllm) or a folder holding a "
                              f"generation_config.json, got {self.generation_config!r}")
@@ -276,6 +299,14 @@ def _as_kind(kind: str, value: Any, paths_allowed: bool) -> Any:
     if isinstance(value, str):
         return value
     return os.fspath(value) if paths_allowed and isinstance(value, os.PathLike) else None
+
+
+def _check_load_format(load_format: str, weights_path: Path) -> None:
+    is_gguf = weights_path.suffix == ".gguf"
+    if (load_format == "safetensors" and is_gguf) or (load_format == "gguf" and not is_gguf):
+        found = "a .gguf file" if is_gguf else "a checkpoint folder (safetensors)"
+        raise ValueError(f"load_format={load_format!r}, but {weights_path} is {found}: pass load_format 'auto' "
+                         f"(or the format it is)")
 
 
 def _check_unquantized(hf_config, model_name: str, load_format: str) -> None:

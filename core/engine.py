@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from weir.config import EngineArgs, EngineConfig
 from weir.detokenizer import IncrementalDetokenizer, decode_token
 from weir.kv_cache import KVCacheManager
+from weir.no_tokenizer import TokenIdsOnly, has_tokenizer, tokenizer_required_message
 from weir.outputs import CompletionOutput, Logprob, RequestOutput
 from weir.request import Request, RequestStatus
 from weir.runner.model_runner import ModelRunner
@@ -36,7 +37,7 @@ class _Child:
 
     index: int
     request: Request
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | TokenIdsOnly
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float | None
 
@@ -177,7 +178,7 @@ class LLMEngine:
             seed = self._rng.getrandbits(63) if params.seed is None else params.seed + index
             request = Request(child_id, list(prompt_token_ids), params, eos, max_tokens, seed)
             want_logprobs = params.logprobs is not None
-            child = _Child(index, request, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+            child = _Child(index, request, self._detokenizer(prompt_token_ids, params),
                            [] if want_logprobs else None, 0.0 if want_logprobs else None)
             parent.children.append(child)
         for child in parent.children:
@@ -185,8 +186,16 @@ class LLMEngine:
             self._child_of[child.request.request_id] = (parent, child)
         self._parents[request_id] = parent
 
+    def _detokenizer(self, prompt_token_ids: list[int],
+                     params: SamplingParams) -> IncrementalDetokenizer | TokenIdsOnly:
+        if not has_tokenizer(self.tokenizer):  # skip_tokenizer_init: token ids out, no text
+            return TokenIdsOnly()
+        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         max_model_len = self.config.scheduler.max_model_len
+        if params.stop and not has_tokenizer(self.tokenizer):
+            raise ValueError(tokenizer_required_message("stop (stop strings) needs"))
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_token_ids) >= max_model_len:
@@ -272,6 +281,9 @@ class LLMEngine:
                     self._child_of.pop(child.request.request_id, None)
         return outputs
 
+    def _decoded_token(self, token_id: int) -> str | None:
+        return decode_token(self.tokenizer, token_id) if has_tokenizer(self.tokenizer) else None
+
     def _apply_update(self, update: RequestUpdate) -> _Parent | None:
         entry = self._child_of.get(update.request.request_id)
         if entry is None:
@@ -294,7 +306,7 @@ class LLMEngine:
                 if token_id in entry_logprobs:
                     continue
                 entry_logprobs[token_id] = Logprob(value, rank if position == 0 else position,
-                                                   decode_token(self.tokenizer, token_id))
+                                                   self._decoded_token(token_id))
             child.logprobs.append(entry_logprobs)
             child.cumulative_logprob += values[0]
         stop = child.detokenizer.stop_string_hit

@@ -22,6 +22,11 @@ class LLM:
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):
+        """The transformers tokenizer; a ValueError under ``skip_tokenizer_init`` (as vLLM)."""
+        from weir.no_tokenizer import has_tokenizer, tokenizer_required_message
+
+        if not has_tokenizer(self.engine.tokenizer):
+            raise ValueError(tokenizer_required_message("get_tokenizer() needs"))
         return self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -26,6 +26,7 @@ class ModelFiles:
     architecture: str  # e.g. "LlamaForCausalLM"
     eos_token_ids: tuple[int, ...]
     chat_template: str | None  # a template shipped beside the weights but outside the tokenizer
+    gguf: Any = None  # weir.weights.gguf_file.GGUFFile: the .gguf weights' header, parsed once
 
 
 def resolve_model_files(model: str | None, tokenizer: str | None) -> ModelFiles:
@@ -37,8 +38,9 @@ def resolve_model_files(model: str | None, tokenizer: str | None) -> ModelFiles:
     if not path.exists():
         raise FileNotFoundError(_missing_model_message(model))
     gguf_file = _gguf_file_in(path)
+    gguf = None
     if gguf_file is not None:
-        hf_config = _load_gguf_config(gguf_file)
+        gguf, hf_config = _load_gguf_config(gguf_file)
         weights_path = gguf_file
     else:
         hf_config = _load_folder_config(path)
@@ -52,8 +54,45 @@ def resolve_model_files(model: str | None, tokenizer: str | None) -> ModelFiles:
     return ModelFiles(
         display_name=model, weights_path=weights_path, tokenizer_path=tokenizer_path,
         hf_config=hf_config, architecture=_architecture(hf_config, weights_path),
-        eos_token_ids=eos_ids, chat_template=_side_chat_template(weights_path, tokenizer_path),
+        eos_token_ids=eos_ids, chat_template=_side_chat_template(weights_path, tokenizer_path), gguf=gguf,
     )
+
+
+def model_context_length(model: str | None) -> int:
+    """The context length ``model`` declares (``max_position_embeddings``, or a GGUF's
+    ``<arch>.context_length``), read from its config file or GGUF header alone, without building
+    its config; 4096, as the engine assumes, when it declares none. Errors are left to the engine,
+    which reports them in full when it starts."""
+    path = Path(model).expanduser() if model is not None else None
+    try:
+        if path is None or (model == default_model.DEFAULT_MODEL_NAME and not path.exists()):
+            path = default_model.ensure_default_model()
+        gguf_file = _gguf_file_in(path)
+        if gguf_file is not None:
+            from weir.weights.gguf_file import GGUFFile
+
+            metadata = GGUFFile.read(gguf_file).metadata
+            declared = metadata.get(f"{metadata.get('general.architecture')}.context_length")
+        else:
+            declared = read_json_object(path / "config.json").get("max_position_embeddings")
+    except (OSError, ValueError):
+        return _ASSUMED_CONTEXT_LENGTH
+    return declared if _is_token_id(declared) and declared > 0 else _ASSUMED_CONTEXT_LENGTH
+
+
+def has_tokenizer_files(model: str) -> bool:
+    """Whether ``model`` carries a tokenizer: a GGUF always does; a folder when it holds one of
+    the files transformers builds a tokenizer from."""
+    from weir.tokenizer import TOKENIZER_FILES
+
+    path = Path(model).expanduser()
+    if not path.is_dir() or not (path / "config.json").is_file():
+        return True  # a .gguf file, a folder of one, or an error the engine reports
+    return any((path / name).is_file() for name in TOKENIZER_FILES)
+
+
+# What the engine takes a model that declares no context length to have (weir.config).
+_ASSUMED_CONTEXT_LENGTH = 4096
 
 
 def _missing_model_message(model: str) -> str:
@@ -67,14 +106,14 @@ def _missing_model_message(model: str) -> str:
 
 def _default_model_files(tokenizer: str | None) -> ModelFiles:
     gguf_file = default_model.ensure_default_model()
-    hf_config = _load_gguf_config(gguf_file)
+    gguf, hf_config = _load_gguf_config(gguf_file)
     return ModelFiles(
         display_name=default_model.DEFAULT_MODEL_NAME, weights_path=gguf_file,
         tokenizer_path=_tokenizer_path(tokenizer, default=gguf_file), hf_config=hf_config,
         architecture=_architecture(hf_config, gguf_file),
         # The GGUF metadata names <|im_start|> as eos in some transformers versions; the
         # chat model ends its turns with <|im_end|>, and that is the only stop we want.
-        eos_token_ids=(default_model.DEFAULT_MODEL_EOS_TOKEN_ID,), chat_template=None,
+        eos_token_ids=(default_model.DEFAULT_MODEL_EOS_TOKEN_ID,), chat_template=None, gguf=gguf,
     )
 
 
@@ -98,26 +137,42 @@ def _gguf_file_in(path: Path) -> Path | None:
                      f"config.json; pass the one to load as the model path")
 
 
-def _load_gguf_config(gguf_file: Path) -> Any:
-    from transformers import AutoConfig
+def _load_gguf_config(gguf_file: Path) -> tuple[Any, Any]:
+    """``(GGUFFile, transformers config)``: the header is parsed here once, and the weights and
+    the tokenizer are read from it later."""
+    from weir.weights.gguf_config import hf_config_from_gguf
+    from weir.weights.gguf_file import GGUFFile
 
-    try:
-        return AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, local_files_only=True)
-    except Exception as error:  # a broken file fails anywhere in the reader (struct.error, ...)
-        raise ValueError(f"cannot read the model config from {gguf_file}: {type(error).__name__}: {error}") \
-            from error
+    gguf = GGUFFile.read(gguf_file)
+    return gguf, hf_config_from_gguf(gguf)
 
 
 def _load_folder_config(folder: Path) -> Any:
     from transformers import AutoConfig
 
     config_file = folder / "config.json"
-    read_json_object(config_file)  # a clear error naming the file beats transformers' generic one
+    content = read_json_object(config_file)  # a clear error naming the file beats transformers' generic one
+    _check_model_type_known(content.get("model_type"), config_file)
     try:
         return AutoConfig.from_pretrained(folder, local_files_only=True)
     except Exception as error:  # field type checks, a zero head count, a bogus torch_dtype, ...
         raise ValueError(f"cannot read the model config {config_file}: {type(error).__name__}: {error}") \
             from error
+
+
+def _check_model_type_known(model_type: Any, config_file: Path) -> None:
+    """An unknown ``model_type`` gets transformers' "upgrade transformers" advice, which misleads:
+    Weir runs its own model code, so say what it serves instead."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if not isinstance(model_type, str) or model_type in CONFIG_MAPPING_NAMES:
+        return  # no model_type: transformers' own message names the missing field
+    from weir.plugin_manager import load_plugins
+
+    architectures = ", ".join(sorted(load_plugins().models))
+    raise ValueError(f"{config_file} has model_type {model_type!r}, which neither Weir nor the transformers it reads "
+                     f"configs with knows. Weir serves these architectures (config.json `architectures`): "
+                     f"{architectures}; a model plugin adds others (`weir plugins` lists what is registered)")
 
 
 def read_json_object(file: Path) -> dict:
@@ -223,8 +278,10 @@ def _tokenizer_eos(tokenizer_path: Path, weights_path: Path) -> list[int]:
         return _folder_tokenizer_eos(tokenizer_path)
     if tokenizer_path == weights_path:
         return []  # a GGUF's tokenizer eos is the config eos already read from the same metadata
-    return _as_id_list(getattr(_load_gguf_config(tokenizer_path), "eos_token_id", None),
-                       f"eos_token_id in {tokenizer_path}")
+    from weir.weights.gguf_file import GGUFFile
+
+    return _as_id_list(GGUFFile.read(tokenizer_path).metadata.get("tokenizer.ggml.eos_token_id"),
+                       f"tokenizer.ggml.eos_token_id in {tokenizer_path}")
 
 
 def _folder_tokenizer_eos(folder: Path) -> list[int]:
@@ -246,6 +303,10 @@ def _folder_tokenizer_eos(folder: Path) -> list[int]:
     tokenizer_file = folder / "tokenizer.json"
     if not tokenizer_file.is_file():
         return []
+    text = tokenizer_file.read_text(encoding="utf-8")
+    for token in _leading_added_tokens(text) or []:
+        if token.get("content") == eos_token:
+            return [_parse_token_id(token.get("id"), f"the id of {eos_token!r} in {tokenizer_file}")]
     tokenizer_json = read_json_object(tokenizer_file)
     added = tokenizer_json.get("added_tokens", [])
     if not isinstance(added, list) or not all(isinstance(token, dict) for token in added):
@@ -258,6 +319,25 @@ def _folder_tokenizer_eos(folder: Path) -> list[int]:
     if isinstance(vocab, dict) and eos_token in vocab:
         return [_parse_token_id(vocab[eos_token], f"the id of {eos_token!r} in {tokenizer_file}")]
     return []
+
+
+def _leading_added_tokens(text: str) -> list[dict] | None:
+    """The ``added_tokens`` list of a tokenizer.json, decoded alone. The special tokens (eos among
+    them) sit there, ahead of a vocabulary and merges of tens of MB: Qwen's 19 MB file took a
+    second to parse whole, on every start. None when the list is not where tokenizers writes it
+    (the caller then parses the whole file)."""
+    key = text.find('"added_tokens"', 0, 4096)  # tokenizers writes it among the first keys
+    if key < 0:
+        return None
+    colon = text.find(":", key)
+    start = colon + 1 + len(text[colon + 1:colon + 65]) - len(text[colon + 1:colon + 65].lstrip())
+    try:
+        added, _ = json.JSONDecoder().raw_decode(text, start)
+    except ValueError:
+        return None
+    if not isinstance(added, list) or not all(isinstance(token, dict) for token in added):
+        return None
+    return added
 
 
 def _parse_token_id(value: Any, where: str) -> int:

@@ -8,31 +8,88 @@ from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any
 
+from weir.no_tokenizer import NoTokenizer, tokenizer_required_message
+
 
 # The files transformers builds a tokenizer from (fast, then slow ones).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 
 
 def load_tokenizer(model_config: Any) -> Any:
-    """Load the transformers tokenizer from ``model_config.tokenizer_path`` (folder or .gguf file)."""
+    """Load the transformers tokenizer from ``model_config.tokenizer_path`` (folder or .gguf file);
+    a ``NoTokenizer`` under ``skip_tokenizer_init``."""
+    if getattr(model_config, "skip_tokenizer_init", False):
+        return NoTokenizer()
     from transformers import AutoTokenizer
 
     path = model_config.tokenizer_path
     try:
         if path.suffix == ".gguf":
-            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+            tokenizer_class = _gguf_tokenizer_class(model_config) or AutoTokenizer
+            return tokenizer_class.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, **_mistral_regex_options(path))
     except (OSError, ValueError, KeyError) as error:
         hint = ""
         if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
             hint = (f" (the folder holds none of {', '.join(TOKENIZER_FILES)}: copy the model's tokenizer there "
-                    f"or name another with the tokenizer option)")
+                    f"or name another with the tokenizer option; or pass skip_tokenizer_init (--skip-tokenizer-init) "
+                    f"to run on token ids alone)")
         raise ValueError(f"cannot load a tokenizer from {path}{hint}: {error}") from error
+
+
+# The model types whose tokenizers transformers' Mistral pre-tokenizer regex check is about.
+MISTRAL_MODEL_TYPES = frozenset({"mistral", "mistral3", "voxtral", "ministral", "pixtral"})
+
+
+def _mistral_regex_options(folder: Path) -> dict[str, bool]:
+    """``fix_mistral_regex=False`` for a tokenizer folder whose config.json names a model type that
+    is not Mistral's. transformers (5.17 among others) checks every tokenizer of over 100k tokens
+    for a faulty Mistral regex, and takes a config.json without ``transformers_version`` (the
+    Qwen3 configs in benchmarks/models, say) for a Mistral one: it then warns "incorrect regex
+    pattern" on every start. Saying False, as its warning asks, is what it concludes itself for
+    any other model type; Mistral models and folders without a config keep its check."""
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        return {}
+    try:
+        model_type = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
+    except (ValueError, AttributeError):  # not JSON, or not an object: transformers' check decides
+        return {}
+    if not isinstance(model_type, str) or model_type in MISTRAL_MODEL_TYPES:
+        return {}
+    return {"fix_mistral_regex": False}
+
+
+def _gguf_tokenizer_class(model_config: Any) -> type | None:
+    """The class ``AutoTokenizer`` picks for the model's own .gguf file, or None to let it pick.
+
+    ``AutoTokenizer`` first rebuilds the model config from the file, with the gguf package's slow
+    reader (seconds for a 49k vocabulary), only to choose the class: for a GGUF with no
+    tokenizer_config.json beside it that is the model type's registered tokenizer, else
+    ``TokenizersBackend``. The engine has that config already, so choose here.
+    """
+    path = model_config.tokenizer_path
+    if path != getattr(model_config, "weights_path", None) or (path.parent / "tokenizer_config.json").exists():
+        return None  # another file, or a folder whose tokenizer_config.json may name the class
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+
+    try:
+        from transformers import TokenizersBackend
+    except ImportError:  # transformers without the v5 tokenizer classes: let AutoTokenizer choose
+        return None
+    registered = TOKENIZER_MAPPING_NAMES.get(getattr(model_config.hf_config, "model_type", None))
+    if not registered:
+        return TokenizersBackend
+    return tokenizer_class_from_name(registered if isinstance(registered, str) else registered[-1])
 
 
 def start_loading_tokenizer(model_config: Any, pool: Executor) -> Future:
     """``load_tokenizer`` in ``pool`` (beside the model's load). transformers' lazy top-level names
     are not safe to resolve from two threads at once: ``AutoTokenizer`` is resolved here first."""
+    if getattr(model_config, "skip_tokenizer_init", False):  # nothing to load: no transformers import either
+        done: Future = Future()
+        done.set_result(NoTokenizer())
+        return done
     from transformers import AutoTokenizer  # noqa: F401
 
     return pool.submit(load_tokenizer, model_config)
@@ -91,6 +148,8 @@ def render_chat_template(tokenizer: Any, messages: list[dict[str, Any]], chat_te
     """The prompt text of ``messages`` (prepared by ``template_message``) and the ``tools`` the model
     may call, by the override template (or the tokenizer's own); ``template_kwargs`` are extra
     template variables (``enable_thinking`` for Qwen3, ...)."""
+    if isinstance(tokenizer, NoTokenizer):
+        raise ValueError(tokenizer_required_message("a chat request (its chat template) needs"))
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("the model has no chat template, so chat requests cannot be rendered; pass "
                          "one with --chat-template FILE (a Jinja template), or use plain completions")

@@ -7,6 +7,7 @@ import asyncio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from weir.no_tokenizer import has_tokenizer, tokenizer_required_message
 from weir.outputs import CompletionOutput
 from weir.server.body import parse, read_json
 from weir.server.errors import bad_request, from_value_error
@@ -22,6 +23,9 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     body = parse(CompletionRequest, await read_json(request, state.settings.max_request_body_bytes))
     state.check_model(body.model)
     body.check_supported()
+    token_ids_only = not has_tokenizer(state.tokenizer)
+    if token_ids_only:
+        _check_token_ids_only(body)
     try:
         params = body.to_sampling_params(state.sampling_defaults)
     except ValueError as error:
@@ -38,7 +42,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
             generation.close()
 
     if body.stream:
-        return EventStreamResponse(_events(body, header, generations, echoes), on_close=close_all)
+        return EventStreamResponse(_events(body, header, generations, echoes, token_ids_only), on_close=close_all)
     outputs = await final_outputs(request.receive, asyncio.gather(*(g.final() for g in generations)), close_all)
     choices, num_prompt_tokens, num_generated, num_cached = [], 0, 0, 0
     for prompt_index, output in enumerate(outputs):
@@ -47,9 +51,21 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         for completion in output.outputs:
             num_generated += len(completion.token_ids)
             logprobs = _logprobs(body, completion, 0, len(echoes[prompt_index]))[0]
-            choices.append(_choice(body, prompt_index, completion, echoes[prompt_index] + completion.text,
-                                   logprobs, finish_reason(completion)))
+            choice = _choice(body, prompt_index, completion, echoes[prompt_index] + completion.text, logprobs,
+                             finish_reason(completion))
+            if token_ids_only:  # the ids are the completion: its text is empty
+                choice["token_ids"] = list(completion.token_ids)
+            choices.append(choice)
     return JSONResponse(header.body(choices, usage=usage(num_prompt_tokens, num_generated, num_cached)))
+
+
+def _check_token_ids_only(body: CompletionRequest) -> None:
+    """Under skip_tokenizer_init: refuse what needs text, before anything is started."""
+    if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], str)):
+        raise bad_request(tokenizer_required_message("a text prompt needs"), param="prompt")
+    for name, asked in (("echo", body.echo), ("logprobs", body.logprobs is not None), ("stop", body.stop)):
+        if asked:
+            raise bad_request(tokenizer_required_message(f"{name} needs"), param=name)
 
 
 async def _tokenized(state: ServerState, prompt: str | list[int], echo: bool) -> tuple[list[int], str | None]:
@@ -77,7 +93,7 @@ def _logprobs(body: CompletionRequest, completion: CompletionOutput, start: int,
 
 
 async def _events(body: CompletionRequest, header: ResponseHeader, generations: list[Generation],
-                  echoes: list[str]):
+                  echoes: list[str], token_ids_only: bool = False):
     extra = {"usage": None} if body.include_usage else {}
     # Per choice (prompt index, completion index): text and tokens sent, text offset, done.
     sent_text: dict[tuple[int, int], str] = {}
@@ -86,8 +102,11 @@ async def _events(body: CompletionRequest, header: ResponseHeader, generations: 
     done: set[tuple[int, int]] = set()
     last_outputs: dict[int, object] = {}
 
-    def chunk(prompt_index, completion, text, logprobs=None, reason=None) -> bytes:
-        return sse_event(header.body([_choice(body, prompt_index, completion, text, logprobs, reason)], **extra))
+    def chunk(prompt_index, completion, text, logprobs=None, reason=None, new_token_ids=None) -> bytes:
+        choice = _choice(body, prompt_index, completion, text, logprobs, reason)
+        if new_token_ids is not None:
+            choice["token_ids"] = new_token_ids
+        return sse_event(header.body([choice], **extra))
 
     try:
         async for prompt_index, output in merge(generations):
@@ -103,7 +122,11 @@ async def _events(body: CompletionRequest, header: ResponseHeader, generations: 
                         yield chunk(prompt_index, completion, echoes[prompt_index])
                 delta_text = completion.text[len(sent_text[key]):]
                 num_tokens = len(completion.token_ids)
-                if delta_text or (body.logprobs is not None and num_tokens > sent_tokens[key]):
+                if token_ids_only and num_tokens > sent_tokens[key]:  # no text: the new ids are the delta
+                    yield chunk(prompt_index, completion, "",
+                                new_token_ids=list(completion.token_ids[sent_tokens[key]:num_tokens]))
+                    sent_tokens[key] = num_tokens
+                elif delta_text or (body.logprobs is not None and num_tokens > sent_tokens[key]):
                     logprobs, offsets[key] = _logprobs(body, completion, sent_tokens[key], offsets[key])
                     yield chunk(prompt_index, completion, delta_text, logprobs)
                     sent_text[key], sent_tokens[key] = completion.text, num_tokens

@@ -80,7 +80,10 @@ class ServerState:
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
             raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="tokens")
-        return self.tokenizer.decode(token_ids)
+        try:
+            return self.tokenizer.decode(token_ids)
+        except ValueError as error:  # no tokenizer (skip_tokenizer_init)
+            raise bad_request(str(error), param="tokens") from error
 
     async def start(self, prompt_token_ids: list[int], prompt_text: str | None, params,
                     request_id: str, param: str, max_tokens_param: str | None = None) -> Generation:

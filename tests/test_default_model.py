@@ -41,3 +41,33 @@ def test_default_model_facts(default_llm):
     assert config.architecture == "LlamaForCausalLM"
     assert config.eos_token_ids == (DEFAULT_MODEL_EOS_TOKEN_ID,)
     assert default_llm.get_tokenizer().convert_ids_to_tokens(DEFAULT_MODEL_EOS_TOKEN_ID) == "<|im_end|>"
+
+
+def test_default_model_samples_with_low_temperature_and_stops(default_llm):
+    defaults = default_llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_p, defaults.max_tokens) == (0.2, 0.5, 256)
+    # What the README's curl examples get: no temperature, no max_tokens, the model's defaults.
+    for seed in range(4):
+        params = default_llm.get_default_sampling_params().clone(seed=seed)
+        answer = default_llm.chat(QUESTION, params, use_tqdm=False)[0].outputs[0]
+        assert "Paris" in answer.text and answer.finish_reason == "stop", (seed, answer.text)
+
+
+def test_generation_config_none_drops_the_default_models_defaults():
+    from weir.config import EngineArgs
+
+    model_config = EngineArgs(generation_config="none").create_config().model
+    assert model_config.sampling_defaults == ()
+    assert dict(EngineArgs().create_config().model.sampling_defaults)["temperature"] == 0.2
+
+
+def test_the_servers_chat_without_sampling_fields_answers_paris():
+    from server_helpers import request
+    from server_inprocess import serve_in_thread
+    from weir.default_model import DEFAULT_MODEL_NAME
+
+    with serve_in_thread(DEFAULT_MODEL_NAME, max_model_len=1024) as (port, _, _):
+        status, reply = request("POST", port, "/v1/chat/completions", {"messages": QUESTION, "seed": 0})
+    assert status == 200, reply
+    assert "Paris" in reply["choices"][0]["message"]["content"]
+    assert reply["choices"][0]["finish_reason"] == "stop"

@@ -78,5 +78,5 @@ def test_broken_checkpoint_keeps_the_reader_error(config_only_qwen3, tmp_path):
 def test_load_format_is_validated(config_only_qwen3):
     from weir.config import EngineArgs
 
-    with pytest.raises(ValueError, match="load_format must be one of auto, dummy, got 'random'"):
+    with pytest.raises(ValueError, match="load_format must be one of auto, dummy, safetensors, gguf, got 'random'"):
         EngineArgs(model=str(config_only_qwen3), load_format="random").create_config()

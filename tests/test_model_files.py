@@ -284,3 +284,21 @@ def test_real_default_model_pins_im_end():
     path = default_model.ensure_default_model()
     tokens = GGUFReader(str(path)).fields["tokenizer.ggml.tokens"]
     assert tokens.contents(default_model.DEFAULT_MODEL_EOS_TOKEN_ID) == default_model.DEFAULT_MODEL_EOS_TOKEN
+
+
+def test_the_tokenizer_eos_is_read_from_the_added_tokens_without_parsing_the_vocabulary(tmp_path, monkeypatch):
+    import json as json_module
+
+    from weir import model_files
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer_config.json").write_text(json_module.dumps({"eos_token": "<|im_end|>"}))
+    added = [{"id": 7, "content": "<|im_end|>", "special": True}]
+    (folder / "tokenizer.json").write_text(json_module.dumps(
+        {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+         "model": {"vocab": {f"t{i}": i for i in range(50_000)}}}))
+    monkeypatch.setattr(model_files, "read_json_object",
+                        lambda file: pytest.fail(f"parsed {file} whole") if file.name == "tokenizer.json"
+                        else json_module.loads(file.read_text()))
+    assert model_files._folder_tokenizer_eos(folder) == [7]

@@ -120,10 +120,16 @@ def test_cpu_meminfo_parser_reads_bytes():
     assert meminfo["MemAvailable"] <= meminfo["MemTotal"]
 
 
-@pytest.mark.parametrize(("available_gib", "expected_bytes"), [(100, 4 * _GIB), (5, int(2 * _GIB))])
-def test_cpu_default_kv_cache_is_capped(monkeypatch, available_gib, expected_bytes):
+@pytest.mark.parametrize(("available_gib", "model_bytes", "expected_bytes"), [
+    (100, _GIB, _GIB),  # the weights' size
+    (100, 8 * _GIB, 4 * _GIB),  # capped
+    (100, 100 << 20, _GIB // 2),  # a small model still gets room for several long requests
+    (5, 8 * _GIB, 2 * _GIB),  # 40% of the available RAM at most
+])
+def test_cpu_default_kv_cache_follows_the_weights_within_bounds(monkeypatch, available_gib, model_bytes,
+                                                                 expected_bytes):
     monkeypatch.setattr(CpuPlatform, "memory_info", lambda self, index=0: (available_gib * _GIB, 128 * _GIB))
-    assert CpuPlatform().default_kv_cache_bytes(model_bytes=_GIB) == expected_bytes
+    assert CpuPlatform().default_kv_cache_bytes(model_bytes=model_bytes) == expected_bytes
 
 
 def test_accelerators_do_not_guess_kv_cache_size():

@@ -85,3 +85,40 @@ def test_unloadable_tokenizer_names_the_path(tmp_path):
     with pytest.raises(ValueError, match=f"cannot load a tokenizer from {tmp_path} \\(the folder holds none of "
                                          f"tokenizer.json, .*copy the model's tokenizer there"):
         load_tokenizer(SimpleNamespace(tokenizer_path=tmp_path))
+
+
+def _big_vocab_folder(folder, config: dict):
+    """A >100k-token tokenizer (what transformers' Mistral regex check looks at) beside ``config``."""
+    import json as json_module
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    folder.mkdir()
+    tokenizer = Tokenizer(models.BPE(vocab={f"t{i}": i for i in range(100_500)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "config.json").write_text(json_module.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize(("model_type", "passed"), [("qwen3", {"fix_mistral_regex": False}), ("mistral", {}),
+                                                    (None, {})])
+def test_only_non_mistral_tokenizers_skip_transformers_mistral_regex_check(tmp_path, monkeypatch, model_type,
+                                                                           passed):
+    from types import SimpleNamespace
+
+    import transformers
+
+    folder = _big_vocab_folder(tmp_path / "tok", {"model_type": model_type} if model_type else {})
+    seen = {}
+    original = transformers.AutoTokenizer.from_pretrained
+
+    def spy(path, **kwargs):
+        seen.update(kwargs)
+        return original(path, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy)
+    tokenizer = load_tokenizer(SimpleNamespace(tokenizer_path=folder, weights_path=folder))
+    assert {key: seen[key] for key in seen if key == "fix_mistral_regex"} == passed
+    assert len(tokenizer) >= 100_500 and not getattr(tokenizer, "fix_mistral_regex", False)

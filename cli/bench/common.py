@@ -36,13 +36,18 @@ def token_id_bound(llm: Any) -> int:
     return min(PROMPT_TOKEN_ID_BOUND, llm.engine.model_config.vocab_size - 1)
 
 
+# warm_up's longest request: its context must fit too.
+WARM_UP_PROMPT_LEN, WARM_UP_MAX_TOKENS = 16, 8
+
+
 def warm_up(llm: Any) -> None:
     """Two short requests, so first-call costs (allocator growth, kernel selection, lazy
     compilation) stay out of the timed run."""
     from weir.sampling_params import SamplingParams
 
-    prompts = [{"prompt_token_ids": list(range(1, 17))}, {"prompt_token_ids": list(range(17, 25))}]
-    llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    prompts = [{"prompt_token_ids": list(range(1, WARM_UP_PROMPT_LEN + 1))},
+               {"prompt_token_ids": list(range(17, 25))}]
+    llm.generate(prompts, SamplingParams(max_tokens=WARM_UP_MAX_TOKENS, ignore_eos=True), use_tqdm=False)
 
 
 def check_fits(llm: Any, longest_prompt: int, longest_output: int) -> None:
@@ -93,3 +98,22 @@ def human_bytes(num_bytes: float) -> str:
         if abs(num_bytes) >= scale:
             return f"{num_bytes / scale:.2f} {unit}"
     return f"{num_bytes:.0f} B"
+
+
+def sized_for_workload(model: str, engine_options: dict[str, Any], longest_prompt: int,
+                       longest_output: int) -> dict[str, Any]:
+    """Engine options for a benchmark whose requests are known before the engine starts, where
+    the user set none: a context of the longest prompt plus the longest output (the model's own
+    is often far longer, 40,960 tokens for Qwen3, which a CPU's KV cache cannot hold for even one
+    request), and no tokenizer when the model has no tokenizer files (the workloads are token
+    ids; ``skip_tokenizer_init``)."""
+    from weir.model_files import has_tokenizer_files, model_context_length
+
+    options = dict(engine_options)
+    if "max_model_len" not in options:
+        longest = max(longest_prompt + longest_output, WARM_UP_PROMPT_LEN + WARM_UP_MAX_TOKENS)
+        options["max_model_len"] = min(longest, model_context_length(model))
+    if "skip_tokenizer_init" not in options and "tokenizer" not in options and not has_tokenizer_files(model):
+        typer.echo(f"{model} has no tokenizer files: running on token ids alone (skip_tokenizer_init)")
+        options["skip_tokenizer_init"] = True
+    return options

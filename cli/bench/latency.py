@@ -25,7 +25,7 @@ from typing import Any
 import typer
 
 from weir.cli.bench.common import (ENGINE_ERRORS, check_fits, check_writable, fail, human_bytes, percentiles,
-                                   start_engine, token_id_bound, write_json)
+                                   sized_for_workload, start_engine, token_id_bound, write_json)
 from weir.cli.engine_options import with_engine_options
 
 LATENCY_PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -141,7 +141,7 @@ def _bandwidth_report(llm: Any, full: list[float], prefill: list[float], output_
 @with_engine_options
 def latency(
     model: str = typer.Argument(..., help="checkpoint folder or .gguf file; with --load-format dummy, "
-                                          "a folder holding config.json (and a tokenizer) suffices"),
+                                          "a folder holding config.json suffices"),
     batch_size: int = typer.Option(8, min=1, help="requests per batch"),
     input_len: int = typer.Option(32, min=1, help="prompt length in tokens"),
     output_len: int = typer.Option(128, min=1, help="tokens generated per request"),
@@ -159,7 +159,7 @@ def latency(
     engine_options = engine_options or {}
     check_writable(output_json, "--output-json")
     try:
-        llm, startup_seconds = start_engine(model, engine_options)
+        llm, startup_seconds = start_engine(model, sized_for_workload(model, engine_options, input_len, output_len))
         typer.echo(f"Engine start-up: {startup_seconds:.2f} s")
         check_fits(llm, input_len, output_len)
         rng = random.Random(engine_options.get("seed", 0))

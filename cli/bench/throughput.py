@@ -13,7 +13,7 @@ from pathlib import Path
 import typer
 
 from weir.cli.bench.common import (ENGINE_ERRORS, check_fits, check_writable, fail, start_engine,
-                                   token_id_bound, warm_up, write_json)
+                                   sized_for_workload, token_id_bound, warm_up, write_json)
 from weir.cli.engine_options import with_engine_options
 
 
@@ -70,7 +70,7 @@ def _lengths(input_len: int | None, output_len: int | None,
 @with_engine_options
 def throughput(
     model: str = typer.Argument(..., help="checkpoint folder or .gguf file; with --load-format dummy, "
-                                          "a folder holding config.json (and a tokenizer) suffices"),
+                                          "a folder holding config.json suffices"),
     num_prompts: int = typer.Option(256, min=1, help="requests in the run"),
     input_len: int | None = typer.Option(None, help="prompt length in tokens (fixed)"),
     output_len: int | None = typer.Option(None, help="output length in tokens (fixed)"),
@@ -89,7 +89,8 @@ def throughput(
     check_writable(output_json, "--output-json")
     try:
         input_range, output_range = _lengths(input_len, output_len, random_range)
-        llm, startup_seconds = start_engine(model, engine_options)
+        llm, startup_seconds = start_engine(model, sized_for_workload(model, engine_options, input_range[1],
+                                                                       output_range[1]))
         typer.echo(f"Engine start-up: {startup_seconds:.2f} s")
         check_fits(llm, input_range[1], output_range[1])
         prompts, max_tokens = random_workload(num_prompts, input_range, output_range,

@@ -28,38 +28,44 @@ def iter_gguf(model_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every weight in ``model_config.weights_path`` (a .gguf file).
 
     Tensors come out in ``model_config.dtype`` on the CPU. A tied ``lm_head.weight`` is not
-    yielded when the file has no ``output.weight`` (the model ties it to the embeddings).
+    yielded when the file has no ``output.weight`` (the model ties it to the embeddings). The
+    header comes from ``model_config.gguf`` when the config read it already.
     """
-    from gguf import GGUFReader, dequantize
+    from gguf import GGMLQuantizationType, dequantize
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    reader = GGUFReader(str(model_config.weights_path))
-    architecture = _read_string_field(reader, "general.architecture")
+    from weir.weights.gguf_file import GGUFFile
+    from weir.weights.progress import loading_progress
+
+    path = model_config.weights_path
+    gguf_file = model_config.gguf if getattr(model_config, "gguf", None) is not None else GGUFFile.read(path)
     hf_config = model_config.hf_config
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=hf_config.to_dict())
-    name_map = _gguf_to_hf_names(hf_config, processor)
+    processor = TENSOR_PROCESSORS.get(gguf_file.architecture, TensorProcessor)(config=hf_config.to_dict())
+    name_map = _gguf_to_hf_names(hf_config, processor, _weir_checkpoint_names(model_config))
     # Processors that merge several GGUF tensors into one HF tensor (MoE experts) stash the
     # merged result here instead of returning it.
     merged: dict[str, dict[str, torch.Tensor]] = {"tensors": {}}
-    path = model_config.weights_path
     unexpected = []
-    for gguf_tensor in reader.tensors:
-        try:
-            weights = dequantize(gguf_tensor.data, gguf_tensor.tensor_type)
-        except Exception as error:  # NotImplementedError for quantisations gguf cannot unpack, ...
-            raise ValueError(f"{path}: cannot dequantise tensor {gguf_tensor.name} of type "
-                             f"{gguf_tensor.tensor_type.name}: {error}") from error
-        result = processor.process(weights=weights, name=gguf_tensor.name,
-                                   tensor_key_mapping=name_map, parsed_parameters=merged)
-        if result.name is None:
-            continue
-        if result.name not in name_map:
-            if result.name in DROPPED_GGUF_TENSORS:
-                logger.info("GGUF tensor %s has no HF counterpart (HF recomputes it): not loaded", result.name)
-            else:
-                unexpected.append(result.name)
-            continue
-        yield name_map[result.name], _to_torch(result.weights, model_config.dtype)
+    tensors = gguf_file.tensor_arrays()
+    with loading_progress(len(tensors), f"Loading {path.name}") as progress:
+        for info, data in tensors:
+            try:
+                weights = dequantize(data, GGMLQuantizationType(info.ggml_type))
+            except Exception as error:  # NotImplementedError for quantisations gguf cannot unpack, ...
+                raise ValueError(f"{path}: cannot dequantise tensor {info.name} of type "
+                                 f"{GGMLQuantizationType(info.ggml_type).name}: {error}") from error
+            result = processor.process(weights=weights, name=info.name,
+                                       tensor_key_mapping=name_map, parsed_parameters=merged)
+            progress.update(1)
+            if result.name is None:
+                continue
+            if result.name not in name_map:
+                if result.name in DROPPED_GGUF_TENSORS:
+                    logger.info("GGUF tensor %s has no HF counterpart (HF recomputes it): not loaded", result.name)
+                else:
+                    unexpected.append(result.name)
+                continue
+            yield name_map[result.name], _to_torch(result.weights, model_config.dtype)
     if unexpected:
         shown = ", ".join(unexpected[:8]) + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else "")
         raise ValueError(f"{path} holds tensors the {model_config.architecture} model has no place for: {shown}")
@@ -71,13 +77,6 @@ def _to_torch(weights: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     # Unquantised tensors come back as read-only views of the memory-mapped file.
     array = weights if weights.flags.writeable else np.array(weights)
     return torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
-
-
-def _read_string_field(reader: Any, key: str) -> str:
-    field = reader.fields.get(key)
-    if field is None:
-        raise ValueError(f"GGUF file {reader.data.filename} has no {key!r} metadata")
-    return bytes(field.parts[field.data[0]]).decode("utf-8")
 
 
 class _ModuleNames:
@@ -103,14 +102,29 @@ class _ModuleNames:
                 for name, child_names in self._children.items()]
 
 
-def _gguf_to_hf_names(hf_config: Any, processor: Any) -> dict[str, str]:
-    """``{gguf_name: hf_name}`` for the HF causal-LM class of ``hf_config``."""
-    from transformers import AutoModelForCausalLM
+def _weir_checkpoint_names(model_config: Any) -> list[str] | None:
+    """The HF tensor names Weir's own model of this architecture loads, or None when no plugin
+    serves it here. They name the GGUF tensors as transformers' model's state dict would, without
+    importing transformers' modeling code for it (over a second of imports at every start)."""
+    from weir.plugin_manager import load_plugins
+    from weir.weights.loader import checkpoint_names
+
+    registry = load_plugins()
+    if model_config.architecture not in registry.models:
+        return None
+    return checkpoint_names(registry.resolve_model(model_config.architecture), model_config)
+
+
+def _gguf_to_hf_names(hf_config: Any, processor: Any, names: list[str] | None = None) -> dict[str, str]:
+    """``{gguf_name: hf_name}`` for ``names`` (HF checkpoint names), by default the state dict of
+    the HF causal-LM class of ``hf_config``."""
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
-    with torch.device("meta"):  # names only: no memory, no init cost
-        hf_model = AutoModelForCausalLM.from_config(hf_config)
-    names = list(hf_model.state_dict())
+    if names is None:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):  # names only: no memory, no init cost
+            names = list(AutoModelForCausalLM.from_config(hf_config).state_dict())
     children: dict[str, list[str]] = {}
     for name in names:
         if "." in name:

@@ -107,6 +107,17 @@ class _CheckpointMapper:
         return param_name
 
 
+def checkpoint_names(model_cls: type[nn.Module], model_config: ModelConfig) -> list[str]:
+    """Every checkpoint tensor name ``model_cls`` loads, tied aliases included (a model built on
+    the meta device: no memory, no initialisation)."""
+    with torch.device("meta"):
+        model = model_cls(model_config)
+    mapper = _CheckpointMapper(model, model_cls)
+    names = [mapper.checkpoint_name(name, shard_id)
+             for name, target in mapper.targets.items() for shard_id in target.shard_ids]
+    return names + sorted(mapper.aliases)
+
+
 @torch.no_grad()
 def _write(model: nn.Module, target: _ParamTarget, param_name: str, shard_id: str | None,
            checkpoint_name: str, tensor: torch.Tensor) -> None:

@@ -54,19 +54,29 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def _iter_files(paths: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
-    for path in paths:
-        # safetensors raises its own SafetensorError (no path in it) for a truncated or corrupt file.
-        try:
-            reader = safe_open(str(path), framework="pt", device="cpu")
-            names = list(reader.keys())
-        except Exception as error:
-            raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupt?): {error}") \
-                from error
-        with reader:
-            for name in names:
-                try:
-                    tensor = reader.get_tensor(name)
-                except Exception as error:
-                    raise ValueError(f"{path}: cannot read tensor {name} (truncated or corrupt file?): "
-                                     f"{error}") from error
+    from weir.weights.progress import loading_progress
+
+    total_bytes = sum(path.stat().st_size for path in paths)
+    with loading_progress(total_bytes, f"Loading {paths[0].parent.name}", unit="B") as progress:
+        for path in paths:
+            for name, tensor in _iter_file(path, safe_open):
+                progress.update(tensor.numel() * tensor.element_size())
                 yield name, tensor
+
+
+def _iter_file(path: Path, safe_open) -> Iterator[tuple[str, torch.Tensor]]:
+    # safetensors raises its own SafetensorError (no path in it) for a truncated or corrupt file.
+    try:
+        reader = safe_open(str(path), framework="pt", device="cpu")
+        names = list(reader.keys())
+    except Exception as error:
+        raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupt?): {error}") \
+            from error
+    with reader:
+        for name in names:
+            try:
+                tensor = reader.get_tensor(name)
+            except Exception as error:
+                raise ValueError(f"{path}: cannot read tensor {name} (truncated or corrupt file?): "
+                                 f"{error}") from error
+            yield name, tensor

@@ -9,8 +9,12 @@ import torch
 from weir.platform import Platform
 
 _GIB = 1 << 30
-# Cap on the automatic CPU KV cache: a CPU run serves few sequences, and RAM is shared with
-# everything else on the machine.
+# The automatic CPU KV cache: as large as the weights, within [512 MiB, 4 GiB] and at most 40% of
+# the available RAM. A CPU serves few sequences at once (its steps are slow), RAM is shared with
+# everything else on the machine, and every byte is zeroed at start-up (4 GiB took seconds and made
+# a 135M model's process 5 GB); a cache the size of the weights still holds several full-length
+# requests of the small models a CPU runs, and kv_cache_memory_bytes sets any other size.
+_CPU_KV_CACHE_MIN_BYTES = _GIB // 2
 _CPU_KV_CACHE_CAP_BYTES = 4 * _GIB
 _CPU_KV_CACHE_RAM_FRACTION = 0.4
 
@@ -70,9 +74,10 @@ class CpuPlatform(Platform):
         return None  # CPU ops finish before they return
 
     def default_kv_cache_bytes(self, model_bytes: int) -> int:
-        """min(4 GiB, 40% of available RAM).
+        """min(40% of available RAM, the weights' size clamped to [512 MiB, 4 GiB]).
 
         Called after the weights are loaded, so available RAM already excludes ``model_bytes``.
         """
         available_bytes, _ = self.memory_info()
-        return min(_CPU_KV_CACHE_CAP_BYTES, int(available_bytes * _CPU_KV_CACHE_RAM_FRACTION))
+        wanted = min(_CPU_KV_CACHE_CAP_BYTES, max(_CPU_KV_CACHE_MIN_BYTES, model_bytes))
+        return min(wanted, int(available_bytes * _CPU_KV_CACHE_RAM_FRACTION))
