@@ -310,5 +310,5 @@ def test_no_room_for_state_on_the_cpu_gives_advice_that_applies_there(checkpoint
 
     monkeypatch.setattr(CpuPlatform, "memory_info", lambda self: (40_000, 10**9))  # 40 kB available
     with pytest.raises(ValueError, match=r"no room for linear-attention state.*free host memory: on the CPU the "
-                                         r"state slots come out of min\(4 GiB, 40% of the available RAM\)"):
+                                         r"state slots come out of the default cache allowance.*at most 40% of the available RAM"):
         LLM(str(checkpoint), device="cpu", kv_cache_memory_bytes=10**8)

@@ -133,8 +133,9 @@ class ModelRunner:
         self.linear_state = None
         if not self.caches.state_layers:
             return 0
-        remedy = ("free host memory: on the CPU the state slots come out of min(4 GiB, 40% of the available RAM) "
-                  "(kv_cache_memory_bytes sizes the KV cache alone)" if self.device.type == "cpu"
+        remedy = ("free host memory: on the CPU the state slots come out of the default cache allowance (the "
+                  "weights' size within 512 MiB..4 GiB, at most 40% of the available RAM; kv_cache_memory_bytes "
+                  "sizes the KV cache alone)" if self.device.type == "cpu"
                   else "raise gpu_memory_utilization or use a device with more memory")
         self.linear_state = LinearAttentionState(
             self.caches.state_layers, self.caches.backend_of, self.caches.num_layers,
