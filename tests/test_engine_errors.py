@@ -87,7 +87,8 @@ def test_quantized_checkpoints_are_refused_by_name(tiny_llama_path, tmp_path, ca
 
 
 def test_kv_cache_too_small_for_max_model_len(tiny_llama_path):
-    with pytest.raises(ValueError, match="fewer than max_model_len=256"):
+    with pytest.raises(ValueError, match=r"0 blocks of 16 tokens, fewer than one request of max_model_len=256 "
+                                         r"needs \(16\)"):
         LLM(str(tiny_llama_path), device="cpu", max_model_len=256, kv_cache_memory_bytes=4096)
 
 
