@@ -369,3 +369,31 @@ def test_headers_over_the_size_limit_and_broken_http_get_openai_400s(server):
             status, body = http_error(read_all(sock, 10))
         assert status == 400 and body["error"]["code"] == "invalid_http"
         assert_openai_error(body, 400, None, "not valid HTTP/1.1")
+
+
+def test_tool_call_arguments_json_cannot_hold_render_as_their_text(server):
+    """An assistant turn's arguments are parsed to render them as an object; ones the parser
+    refuses (an integer past its digit limit, nesting past its depth) stay text, as invalid JSON
+    does, instead of failing the request."""
+    for arguments in ('{"x": ' + "9" * 5000 + "}", '{"x": ' + "[" * 5000 + "]" * 5000 + "}"):
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "content": "ok", "tool_call_id": "c1"}]
+        status, body = request("POST", server.port, "/tokenize", {"messages": messages}, AUTH)
+        assert status == 200 and body["count"] > 0, body
+
+
+def test_a_json_response_is_not_held_behind_a_delayed_ack(server):
+    """Nagle's algorithm was on for connections to the socket weir serve binds: a response's body
+    waited for the client's delayed ACK of its headers, 40 ms each, on a kept-alive connection."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        durations = []
+        for _ in range(15):
+            started = time.perf_counter()
+            connection.request("GET", "/v1/models", headers=AUTH)
+            assert connection.getresponse().read()
+            durations.append(time.perf_counter() - started)
+    finally:
+        connection.close()
+    assert sorted(durations)[len(durations) // 2] < 0.02, durations
