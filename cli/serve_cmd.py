@@ -11,11 +11,15 @@ import typer
 from weir.cli.engine_options import with_engine_options
 from weir.server.settings import (
     API_KEY_ENV_VARS,
+    DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE,
     DEFAULT_LOG_STATS_INTERVAL,
+    DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_NUM_QUEUED_REQS,
     DEFAULT_MAX_NUM_QUEUED_TOKENS,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_SHUTDOWN_GRACE_SECONDS,
+    DEFAULT_TIMEOUT_HEADER,
+    DEFAULT_TIMEOUT_KEEP_ALIVE,
     ServerSettings,
     parse_allowed_origins,
 )
@@ -68,6 +72,16 @@ def serve(
                                               help="prompt tokens waiting for prefill at most; past it: 503"),
     max_request_body_bytes: int = typer.Option(DEFAULT_MAX_REQUEST_BODY_BYTES,
                                                help="larger request bodies get 413"),
+    timeout_keep_alive: float = typer.Option(DEFAULT_TIMEOUT_KEEP_ALIVE,
+                                             help="seconds an idle kept-alive connection stays open"),
+    timeout_header: float = typer.Option(DEFAULT_TIMEOUT_HEADER,
+                                         help="seconds a client has to send a request's headers (from "
+                                              "connecting, or from its first byte); past it: 408, closed"),
+    max_connections: int = typer.Option(DEFAULT_MAX_CONNECTIONS,
+                                        help="connections open at once; past it a new one gets 503"),
+    h11_max_incomplete_event_size: int = typer.Option(DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE,
+                                                      help="bytes of a request's headers buffered while "
+                                                           "they are incomplete; past it: 400"),
     shutdown_grace_seconds: float = typer.Option(DEFAULT_SHUTDOWN_GRACE_SECONDS,
                                                  help="on SIGINT/SIGTERM, how long in-flight requests may "
                                                       "run on before they are aborted"),
@@ -94,6 +108,7 @@ def serve(
     from weir.async_engine import AsyncLLMEngine
     from weir.process import set_step_loop_gc_thresholds
     from weir.server.app import build_app
+    from weir.server.connections import uvicorn_options
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -101,6 +116,9 @@ def serve(
                                   max_num_queued_reqs=max_num_queued_reqs,
                                   max_num_queued_tokens=max_num_queued_tokens,
                                   max_request_body_bytes=max_request_body_bytes,
+                                  timeout_keep_alive=timeout_keep_alive, timeout_header=timeout_header,
+                                  max_connections=max_connections,
+                                  h11_max_incomplete_event_size=h11_max_incomplete_event_size,
                                   shutdown_grace_seconds=shutdown_grace_seconds,
                                   uvicorn_log_level=uvicorn_log_level,
                                   allowed_origins=parse_allowed_origins(allowed_origins),
@@ -115,7 +133,7 @@ def serve(
         raise typer.Exit(1) from None
     _log_start(engine, sock, host)
     config = uvicorn.Config(build_app(engine, settings), log_level=uvicorn_log_level, lifespan="on",
-                            timeout_graceful_shutdown=shutdown_grace_seconds)
+                            timeout_graceful_shutdown=shutdown_grace_seconds, **uvicorn_options(settings))
     # uvicorn re-raises the SIGINT/SIGTERM it shut down for once it is done, into the handlers
     # that were installed before it: make those no-ops, so a graceful shutdown exits with 0.
     for handled in (signal.SIGINT, signal.SIGTERM):

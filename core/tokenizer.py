@@ -134,7 +134,7 @@ def _arguments_as_object(tool_call: Any) -> Any:
         return tool_call
     try:
         arguments = json.loads(function["arguments"])
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, an integer past int()'s digit limit, nested too deep
         return tool_call
     if not isinstance(arguments, dict):
         return tool_call

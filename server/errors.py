@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 from pydantic import ValidationError
@@ -30,7 +31,18 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         headers = {"retry-after": "1"} if self.status == 503 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return _ErrorResponse(self.body(), status_code=self.status, headers=headers)
+
+
+class _ErrorResponse(JSONResponse):
+    """An error body always renders: one that echoes text UTF-8 cannot carry (a lone surrogate
+    the request checks missed) is sent with that text escaped, still valid JSON."""
+
+    def render(self, content) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -8,7 +8,7 @@ served with ``--enable-auto-tool-choice --tool-call-parser hermes`` (``weir.serv
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -94,6 +94,9 @@ def sampling_fields_with_defaults(request: BaseModel, defaults: dict[str, Any]) 
 class _SamplingRequest(_Strict):
     """Fields shared by chat and completions, with vLLM's extras."""
 
+    # Not fields, but names ``check_supported`` looks for among the unknown ones (and refuses when
+    # asked for), so they are not logged as ignored.
+    CHECKED_EXTRA_FIELDS: ClassVar[frozenset[str]] = frozenset(UNSUPPORTED_VLLM_FIELDS)
     model: str | None = None
     n: int = 1
     temperature: float | None = None
@@ -236,6 +239,7 @@ class ChatCompletionRequest(_SamplingRequest, _ToolOptions):
 
 
 class CompletionRequest(_SamplingRequest):
+    CHECKED_EXTRA_FIELDS: ClassVar[frozenset[str]] = frozenset({*UNSUPPORTED_VLLM_FIELDS, "response_format"})
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = False
     logprobs: int | None = None
@@ -353,6 +357,7 @@ class ResponsesRequest(_Strict, _ToolOptions):
     Nothing is stored, so ``store`` is accepted but ``previous_response_id`` is refused.
     """
 
+    CHECKED_EXTRA_FIELDS: ClassVar[frozenset[str]] = frozenset({*UNSUPPORTED_VLLM_FIELDS, "logit_bias", "prompt"})
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None

@@ -9,6 +9,13 @@ DEFAULT_MAX_NUM_QUEUED_REQS = 1024
 DEFAULT_MAX_NUM_QUEUED_TOKENS = 1 << 20
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
 DEFAULT_SHUTDOWN_GRACE_SECONDS = 10.0
+# Connection limits (weir.server.connections): uvicorn's keep-alive default, a header deadline
+# long enough for any real client, connections a few times past the requests in flight, h11's
+# own header size limit.
+DEFAULT_TIMEOUT_KEEP_ALIVE = 5.0
+DEFAULT_TIMEOUT_HEADER = 10.0
+DEFAULT_MAX_CONNECTIONS = 2 * DEFAULT_MAX_NUM_QUEUED_REQS
+DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE = 16 << 10
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_LOG_STATS_INTERVAL = 10.0  # seconds between stats lines, as vLLM's
 # Environment variables --api-key falls back to, in order: Weir's own, then vLLM's.
@@ -38,6 +45,10 @@ class ServerSettings:
     max_num_queued_tokens: int = DEFAULT_MAX_NUM_QUEUED_TOKENS  # prompt tokens not yet started
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     shutdown_grace_seconds: float = DEFAULT_SHUTDOWN_GRACE_SECONDS
+    timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE  # an idle kept-alive connection is closed after it
+    timeout_header: float = DEFAULT_TIMEOUT_HEADER  # a request's headers must arrive within it: else 408
+    max_connections: int = DEFAULT_MAX_CONNECTIONS  # open at once; past it a new connection gets 503
+    h11_max_incomplete_event_size: int = DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE  # incomplete headers, bytes
     uvicorn_log_level: str = "info"
     # Browser origins allowed to call the API (CORS); vLLM's default lets any origin in too.
     allowed_origins: tuple[str, ...] = ("*",)
@@ -55,7 +66,8 @@ class ServerSettings:
         return self.tool_call_parser if self.enable_auto_tool_choice else None
 
     def __post_init__(self) -> None:
-        for name in ("max_num_queued_reqs", "max_num_queued_tokens", "max_request_body_bytes"):
+        for name in ("max_num_queued_reqs", "max_num_queued_tokens", "max_request_body_bytes", "timeout_keep_alive",
+                     "timeout_header", "max_connections", "h11_max_incomplete_event_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:

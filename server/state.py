@@ -91,7 +91,7 @@ class ServerState:
         the engine refuses (too long for the context, ...), naming ``param``. A ``max_tokens``
         the request set itself (``max_tokens_param`` names its field) must fit beside the prompt:
         as vLLM, that is a 400 rather than a completion quietly cut short."""
-        self._check_context(len(prompt_token_ids), params.max_tokens, max_tokens_param)
+        self._check_context(len(prompt_token_ids), params.max_tokens, max_tokens_param, param)
         ticket = self.admission.admit(len(prompt_token_ids))
         record = self.metrics.new_request(len(prompt_token_ids))
         try:
@@ -108,9 +108,16 @@ class ServerState:
             raise
         return Generation(stream, ticket, record, self.metrics)
 
-    def _check_context(self, num_prompt_tokens: int, max_tokens: int | None, max_tokens_param: str | None) -> None:
-        if max_tokens_param is None or max_tokens is None or num_prompt_tokens >= self.max_model_len:
-            return  # a prompt too long on its own is the engine's error, naming both numbers
+    def _check_context(self, num_prompt_tokens: int, max_tokens: int | None, max_tokens_param: str | None,
+                       param: str) -> None:
+        """Before admission: a prompt that cannot fit must not count as queued work meanwhile
+        (others would get 503s for tokens that never run)."""
+        if num_prompt_tokens >= self.max_model_len:
+            raise bad_request(f"the prompt has {num_prompt_tokens} tokens, but max_model_len is "
+                              f"{self.max_model_len}: it must be shorter to leave room for output",
+                              param=param, code="context_length_exceeded")
+        if max_tokens_param is None or max_tokens is None:
+            return
         if num_prompt_tokens + max_tokens > self.max_model_len:
             raise bad_request(
                 f"'{max_tokens_param}' is too large: {max_tokens}. This model's maximum context length is "
@@ -122,7 +129,7 @@ class ServerState:
                         param: str, max_tokens_param: str | None = None) -> list[Generation]:
         """``start`` each prompt; if one fails, the ones already started are aborted."""
         for token_ids, _ in prompts:  # before any starts: nothing to abort on this error
-            self._check_context(len(token_ids), params.max_tokens, max_tokens_param)
+            self._check_context(len(token_ids), params.max_tokens, max_tokens_param, param)
         generations: list[Generation] = []
         try:
             for index, (token_ids, text) in enumerate(prompts):

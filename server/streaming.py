@@ -31,7 +31,9 @@ class ClientDisconnected(Exception):
 
 
 def sse_event(payload: dict) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    """One event; NaN has no JSON form, so a payload holding one raises instead of sending it."""
+    text = json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return b"data: " + text.encode() + b"\n\n"
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

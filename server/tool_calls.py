@@ -28,7 +28,7 @@ def _call(block: str) -> dict | None:
     """The OpenAI tool call a block's JSON names, or None when it is not a call."""
     try:
         value = json.loads(block)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, an integer past int()'s digit limit, nested too deep
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None

@@ -16,6 +16,7 @@ from helpers_models import TINY_EOS_ID
 from weir.async_engine import AsyncLLMEngine
 from weir.engine import LLMEngine
 from weir.server.app import build_app
+from weir.server.connections import uvicorn_options
 from weir.server.settings import ServerSettings
 
 
@@ -24,10 +25,12 @@ def serve_in_thread(model_path, settings: ServerSettings | None = None, **engine
     """Yields ``(port, async_engine, app)``; the server and the engine stop on exit."""
     options = {"device": "cpu", "max_model_len": 256, "served_model_name": "tiny", **engine_options}
     engine = AsyncLLMEngine(LLMEngine.from_options(str(model_path), **options))
-    app = build_app(engine, settings or ServerSettings())
+    settings = settings or ServerSettings()
+    app = build_app(engine, settings)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5,
+                                           **uvicorn_options(settings)))
     # Off the main thread uvicorn installs no signal handlers.
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

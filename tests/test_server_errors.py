@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import json
+import socket
+import time
 
 import pytest
 
-from server_helpers import SERVED_NAME, ServerProcess, metric, request, scrape_metrics, stream_sse
+from server_helpers import SERVED_NAME, ServerProcess, metric, request, scrape_metrics, stream_sse, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -16,6 +19,7 @@ AUTH = {"authorization": f"Bearer {API_KEY}"}
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
 BODY_LIMIT = 65536
+HEADER_TIMEOUT, KEEP_ALIVE, MAX_CONNECTIONS = 2, 1, 40
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +27,8 @@ def server(tiny_llama_path, tmp_path_factory):
     # The key comes from the environment, as WEIR_API_KEY documents.
     process = ServerProcess(tiny_llama_path, tmp_path_factory.mktemp("serve") / "serve.log",
                             "--max-num-queued-reqs", "4", "--max-request-body-bytes", str(BODY_LIMIT),
+                            "--timeout-header", str(HEADER_TIMEOUT), "--timeout-keep-alive", str(KEEP_ALIVE),
+                            "--max-connections", str(MAX_CONNECTIONS), "--h11-max-incomplete-event-size", "8192",
                             env={"WEIR_API_KEY": API_KEY})
     yield process
     assert process.stop() == 0, process.log()
@@ -35,6 +41,35 @@ def chat(**fields):
 def completion(**fields):
     return {"model": SERVED_NAME, "prompt": "hi", "max_tokens": 4, **fields}
 
+
+RESPONSES_PATH = "/v1/responses"
+
+
+def response(**fields):
+    return {"model": SERVED_NAME, "input": "hi", "max_output_tokens": 4, **fields}
+
+
+SURROGATE_MODEL_BODIES = [
+    (CHAT_PATH, b'{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}'),
+    (COMPLETIONS_PATH, b'{"model": "\\ud800", "prompt": "hi"}'),
+    (RESPONSES_PATH, b'{"model": "\\ud800", "input": "hi"}'),
+    ("/tokenize", b'{"model": "\\ud800", "prompt": "hi"}'),
+    ("/detokenize", b'{"model": "\\ud800", "tokens": [72]}'),
+]
+# Fields /v1/responses echoes in its response object.
+RESPONSES_SURROGATES = [
+    ("user", {"user": "\udc00"}, "user"),
+    ("metadata-value", {"metadata": {"k": "v\ud800"}}, "metadata.k"),
+    ("reasoning-effort", {"reasoning": {"effort": "\ud800"}}, "reasoning.effort"),
+    ("instructions", {"instructions": "\ud800"}, "instructions"),
+]
+NOT_JSON_NUMBERS = [
+    ("nan-in-reasoning", b'{"input": "hi", "reasoning": {"x": NaN}}', "NaN is not a JSON number"),
+    ("infinity-in-tool-parameters", b'{"input": "hi", "tool_choice": "none", "tools": [{"type": "function", '
+                                    b'"name": "f", "parameters": {"maximum": Infinity}}]}', "Infinity"),
+    ("minus-infinity", b'{"input": "hi", "temperature": -Infinity}', "-Infinity is not a JSON number"),
+    ("overflowing-float", b'{"input": "hi", "reasoning": {"x": 1e400}}', "1e400 is too large"),
+]
 
 # (id, path, body, headers, status, param, words the message must contain)
 BAD_REQUESTS = [
@@ -54,10 +89,33 @@ BAD_REQUESTS = [
     ("n-over-openai-limit", COMPLETIONS_PATH, completion(n=100_000), AUTH, 400, "n", "n must be <= 128"),
     ("max-completion-tokens-zero", CHAT_PATH, chat(max_completion_tokens=0), AUTH, 400, "max_completion_tokens",
      "max_completion_tokens must be >= 1"),
-    # json.dumps escapes the lone surrogate as \ud800: valid JSON, text no tokenizer takes.
+    # json.dumps escapes the lone surrogate as \ud800: valid JSON, but no text (UTF-8 cannot carry it).
     ("lone-surrogate-prompt", COMPLETIONS_PATH, completion(prompt="\ud800abc"), AUTH, 400, "prompt",
-     "cannot be tokenized"),
-    ("lone-surrogate-tokenize", "/tokenize", {"prompt": "\ud800abc"}, AUTH, 400, "prompt", "cannot be tokenized"),
+     "lone UTF-16 surrogate (U+D800)"),
+    ("lone-surrogate-tokenize", "/tokenize", {"prompt": "\ud800abc"}, AUTH, 400, "prompt", "lone UTF-16 surrogate"),
+    *[(f"lone-surrogate-model-{path}", path, body, AUTH, 400, "model", "lone UTF-16 surrogate (U+D800)")
+      for path, body in SURROGATE_MODEL_BODIES],
+    # The raw UTF-8 form of a surrogate, which Python's JSON parser reads as one.
+    ("raw-surrogate-bytes-model", COMPLETIONS_PATH, b'{"model": "\xed\xa0\x80", "prompt": "hi"}', AUTH, 400,
+     "model", "lone UTF-16 surrogate (U+D800)"),
+    ("lone-surrogate-message", CHAT_PATH, chat(messages=[{"role": "user", "content": "a\udfffb"}]), AUTH, 400,
+     "messages.0.content", "U+DFFF"),
+    ("lone-surrogate-stop", CHAT_PATH, chat(stop=["ok", "\udc00"]), AUTH, 400, "stop.1", "surrogate"),
+    ("lone-surrogate-key", CHAT_PATH, chat(metadata={"\ud800": "x"}), AUTH, 400, "metadata", "a key of 'metadata'"),
+    ("surrogate-pair-is-text", "/tokenize", b'{"prompt": "\\ud83d\\ude00", "model": "\\ud800"}', AUTH, 400,
+     "model", "U+D800"),  # the pair (an emoji) passes; the lone one after it does not
+    *[(f"responses-{name}", RESPONSES_PATH, response(**fields), AUTH, 400, param, "lone UTF-16 surrogate")
+      for name, fields, param in RESPONSES_SURROGATES],
+    *[(f"responses-{name}-streamed", RESPONSES_PATH, response(stream=True, **fields), AUTH, 400, param,
+       "lone UTF-16 surrogate") for name, fields, param in RESPONSES_SURROGATES],
+    # NaN and Infinity are not JSON numbers (Python's parser takes them), nor is 1e400 a double.
+    *[(f"not-a-json-number-{name}", RESPONSES_PATH, body, AUTH, 400, None, words)
+      for name, body, words in NOT_JSON_NUMBERS],
+    ("integer-over-4300-digits", COMPLETIONS_PATH, b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", AUTH,
+     400, None, "more than 4300 digits"),
+    ("integer-over-4300-digits-nested", CHAT_PATH,
+     b'{"messages": [{"role": "user", "content": "hi"}], "metadata": {"a": [' + b"1" * 4301 + b"]}}", AUTH, 400,
+     None, "more than 4300 digits"),
     ("json-nested-too-deep", COMPLETIONS_PATH, b'{"prompt": ' + b"[" * 30000 + b"]" * 30000 + b"}", AUTH, 400,
      None, "too deeply"),
     ("max-tokens-zero", CHAT_PATH, chat(max_tokens=0), AUTH, 400, "max_tokens", "max_tokens"),
@@ -211,3 +269,133 @@ def test_metrics_counters_match_the_traffic(server):
     assert metric(after, "weir:num_requests_running") == metric(after, "weir:num_requests_waiting") == 0
     assert metric(after, "weir:kv_cache_usage_perc") == 0
     assert metric(after, "weir:prefix_cache_hits_total") > 0  # the three chats share their prompt
+
+
+def test_bad_requests_keep_the_connection_alive(server):
+    """A 500 from starlette's own error handler closed the connection; a 4xx keeps it."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    bad = [row for row in BAD_REQUESTS if row[0].startswith(("lone-surrogate", "raw-surrogate", "responses-",
+                                                             "not-a-json-number", "integer-over"))]
+    try:
+        for name, path, body, headers, status, param, words in bad:
+            payload = body if isinstance(body, bytes) else json.dumps(body).encode()
+            connection.request("POST", path, body=payload, headers={**headers, "content-type": "application/json"})
+            socket_before = connection.sock
+            response = connection.getresponse()
+            assert response.status == status, (name, response.read())
+            assert_openai_error(json.loads(response.read()), status, param, words)
+            assert response.getheader("connection") != "close", name
+            connection.request("POST", COMPLETIONS_PATH, body=json.dumps(completion()).encode(),
+                               headers={**AUTH, "content-type": "application/json"})
+            assert connection.sock is socket_before, f"{name}: the server closed the connection"
+            response = connection.getresponse()
+            assert response.status == 200 and json.loads(response.read())["object"] == "text_completion", name
+    finally:
+        connection.close()
+
+
+def read_all(sock: socket.socket, timeout: float) -> bytes:
+    sock.settimeout(timeout)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except (socket.timeout, ConnectionResetError):
+        pass
+    return data
+
+
+def http_error(raw: bytes) -> tuple[int, dict]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert b"connection: close" in head.lower(), head
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_clients_sending_headers_a_byte_at_a_time_get_408_and_the_rest_are_served(server):
+    slow = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(16)]
+    silent = socket.create_connection(("127.0.0.1", server.port))  # connects and sends nothing
+    started = time.monotonic()
+    try:
+        for byte in b"POST /v1/completions HTTP/1.1\r\nhost:":
+            for sock in slow:
+                sock.sendall(bytes([byte]))
+            time.sleep(0.02)
+            if time.monotonic() - started > HEADER_TIMEOUT / 2:
+                break
+        # Meanwhile everyone else is answered.
+        assert request("POST", server.port, COMPLETIONS_PATH, completion(), AUTH)[0] == 200
+        for sock in [*slow, silent]:
+            status, body = http_error(read_all(sock, HEADER_TIMEOUT + 10))
+            assert_openai_error(body, 408, None, f"within {HEADER_TIMEOUT} s (--timeout-header)")
+            assert status == 408 and body["error"]["code"] == "request_timeout"
+        assert time.monotonic() - started < HEADER_TIMEOUT + 5
+    finally:
+        for sock in [*slow, silent]:
+            sock.close()
+    assert request("POST", server.port, COMPLETIONS_PATH, completion(), AUTH)[0] == 200
+
+
+def test_an_idle_kept_alive_connection_is_closed(server):
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        connection.request("GET", "/health")
+        assert connection.getresponse().read() == b""
+        answered = time.monotonic()
+        connection.sock.settimeout(KEEP_ALIVE + 2)
+        assert connection.sock.recv(1) == b""  # closed by the server: EOF
+        assert KEEP_ALIVE - 0.5 < time.monotonic() - answered < KEEP_ALIVE + 1.5
+    finally:
+        connection.close()
+
+
+def test_connections_past_the_limit_get_503_and_the_server_goes_on(server):
+    held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(MAX_CONNECTIONS + 5)]
+    try:
+        answers = [read_all(sock, 0.5) for sock in held[-5:]]
+        for raw in answers:
+            status, body = http_error(raw)
+            assert status == 503 and body["error"]["code"] == "server_overloaded", body
+            assert_openai_error(body, 503, None, f"{MAX_CONNECTIONS} connections open")
+    finally:
+        for sock in held:
+            sock.close()
+    assert wait_until(lambda: request("GET", server.port, "/health")[0] == 200, timeout=10)
+
+
+def test_headers_over_the_size_limit_and_broken_http_get_openai_400s(server):
+    # Headers not yet complete past the limit (the server buffers them while they are incomplete).
+    for raw in (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 10000,
+                b"NOT HTTP AT ALL\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(raw)
+            status, body = http_error(read_all(sock, 10))
+        assert status == 400 and body["error"]["code"] == "invalid_http"
+        assert_openai_error(body, 400, None, "not valid HTTP/1.1")
+
+
+def test_tool_call_arguments_json_cannot_hold_render_as_their_text(server):
+    """An assistant turn's arguments are parsed to render them as an object; ones the parser
+    refuses (an integer past its digit limit, nesting past its depth) stay text, as invalid JSON
+    does, instead of failing the request."""
+    for arguments in ('{"x": ' + "9" * 5000 + "}", '{"x": ' + "[" * 5000 + "]" * 5000 + "}"):
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "content": "ok", "tool_call_id": "c1"}]
+        status, body = request("POST", server.port, "/tokenize", {"messages": messages}, AUTH)
+        assert status == 200 and body["count"] > 0, body
+
+
+def test_a_json_response_is_not_held_behind_a_delayed_ack(server):
+    """Nagle's algorithm was on for connections to the socket weir serve binds: a response's body
+    waited for the client's delayed ACK of its headers, 40 ms each, on a kept-alive connection."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        durations = []
+        for _ in range(15):
+            started = time.perf_counter()
+            connection.request("GET", "/v1/models", headers=AUTH)
+            assert connection.getresponse().read()
+            durations.append(time.perf_counter() - started)
+    finally:
+        connection.close()
+    assert sorted(durations)[len(durations) // 2] < 0.02, durations

@@ -109,6 +109,29 @@ def test_queued_prompt_tokens_over_the_limit_get_503(served):
     assert admission.num_waiting_tokens == 0 and admission.num_requests == 0
 
 
+def test_a_prompt_longer_than_the_context_is_refused_before_it_counts_as_queued(served):
+    """It used to be admitted (its tokens queued) until the engine refused it, and requests sent
+    meanwhile got 503s for tokens that would never run."""
+    port, engine, app = served
+    admission = app.state.weir.admission
+    num_rejected = admission.num_rejected
+    gate = threading.Event()
+    engine.call(lambda _: gate.wait(30))  # the engine thread waits: it cannot refuse anything
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            small = pool.submit(request, "POST", port, "/v1/completions", {**COMPLETION, "prompt": "y" * 150})
+            assert wait_until(lambda: admission.num_waiting_tokens == 150, timeout=10)
+            for prompt in ("x" * 300, [65] * 256):  # max_model_len is 256
+                status, body = request("POST", port, "/v1/completions", {**COMPLETION, "prompt": prompt}, timeout=10)
+                assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+                assert "max_model_len is 256" in body["error"]["message"] and body["error"]["param"] == "prompt"
+                assert admission.num_waiting_tokens == 150 and admission.num_rejected == num_rejected
+            gate.set()
+            assert small.result(60)[0] == 200
+    finally:
+        gate.set()
+
+
 def test_tokenizing_a_prompt_does_not_stop_the_event_loop(served, monkeypatch):
     """A prompt of megabytes took over 20 s to tokenize on the event loop, and nobody else was
     answered meanwhile: the tokenizer is held here until /health has answered."""

@@ -164,3 +164,15 @@ def test_reasoning_parser_holds_back_split_tags():
     pieces = [stream.feed(piece) for piece in ("\n<th", "ink>ab</th", "ink>c")]
     assert pieces == [("", ""), ("ab", ""), ("", "c")]
     assert ReasoningStream().feed("<thi", finished=True) == ("", "<thi")  # never a tag: content
+
+
+def test_a_tool_call_json_cannot_hold_stays_text():
+    """The model's own output: an integer past int()'s digit limit or nesting past the parser's
+    depth is no call (as invalid JSON is), rather than a failed request."""
+    for arguments in ("9" * 5000, "[" * 5000 + "]" * 5000):
+        text = '<tool_call>\n{"name": "f", "arguments": {"x": ' + arguments + '}}\n</tool_call>'
+        content, calls = parse_tool_calls(text)
+        assert calls == [] and content == text
+        stream = ToolCallStream()
+        streamed, streamed_calls = stream.feed(text, finished=True)
+        assert streamed_calls == [] and streamed == text

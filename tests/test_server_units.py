@@ -112,3 +112,34 @@ def test_tpot_is_per_completion_when_n_is_above_one():
     assert count == 4 and record.num_generated_tokens == 160
     elapsed = metrics.registry.get_sample_value("weir:e2e_request_latency_seconds_sum")
     assert abs(total - 4 * elapsed / 39) < 1e-6 * max(1.0, elapsed)
+
+
+def test_a_known_unsupported_field_is_one_400_not_also_an_ignored_field(caplog):
+    """prompt_logprobs was logged as "ignoring unknown request field" and then refused."""
+    from weir.server.body import parse
+
+    with caplog.at_level("WARNING", logger="weir.server.body"):
+        request = parse(CompletionRequest, {"prompt": "hi", "prompt_logprobs": 1, "my_own_field": 2})
+    assert [record.getMessage() for record in caplog.records] == ["ignoring unknown request field(s): my_own_field"]
+    with pytest.raises(APIError) as refused:
+        request.check_supported()
+    assert (refused.value.status, refused.value.param, refused.value.code) == \
+        (400, "prompt_logprobs", "unsupported_parameter")
+    assert "prompt_logprobs is not supported" in refused.value.message
+
+
+@pytest.mark.parametrize("name", ["timeout_keep_alive", "timeout_header", "max_connections",
+                                  "h11_max_incomplete_event_size"])
+def test_connection_limits_must_be_positive(name):
+    from weir.server.settings import ServerSettings
+
+    with pytest.raises(ValueError, match=f"{name} must be positive"):
+        ServerSettings(**{name: 0})
+
+
+def test_an_error_echoing_a_lone_surrogate_still_renders():
+    """Request bodies are checked for them; an error body that echoes one anyway is escaped."""
+    import json
+
+    response = APIError(404, "The model '\ud800' does not exist", param="model").response()
+    assert json.loads(response.body)["error"]["message"] == "The model '\ud800' does not exist"
