@@ -1,0 +1,112 @@
+"""Multi-head latent attention (DeepSeek-V3's MLA) over a paged latent cache, and its sparse
+variant (DeepSeek-V3.2's DSA: a lightning indexer picks the keys each query attends to).
+
+The cache keeps, per token, one latent "head": the normalised ``kv_lora_rank`` latent ``c``, then
+the ``qk_rope_head_dim`` rotated rope key ``k_pe`` shared by every head, and for sparse layers
+the indexer's ``index_head_dim`` key after them:
+``kv_cache [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim (+ index_head_dim)]``.
+
+Per head h, with ``W_UK_h [qk_nope, kv_lora_rank]`` and ``W_UV_h [v_head_dim, kv_lora_rank]`` (the
+two row blocks of the layer's ``kv_b_proj`` weight):
+``s_h(t, j) = scale * (q_nope_h(t) . W_UK_h c_j + q_pe_h(t) . k_pe_j)``, causal over the request's
+tokens (and, for sparse layers, over the keys the indexer kept for query t),
+``o_h(t) = W_UV_h sum_j softmax_j(s_h(t, j)) c_j``. A backend may compute this expanded (per-head
+keys and values from the latent, usual for prefill) or absorbed (``W_UK_h^T q_nope_h`` first: MQA
+over the 576-dim latent key, usual for decode); the two agree up to rounding.
+
+The indexer (sparse layers): ``score(t, j) = sum_g w(t, g) * relu(q_idx_g(t) . k_idx_j)`` over
+the ``index_n_heads`` heads g (``w`` fp32, every scale folded in by the model), causal; query t
+attends to the ``index_topk`` keys of highest score among its causal prefix (all of them when the
+prefix is shorter). Ties at the boundary may go either way.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from weir.attention import AttentionBackend, AttentionMetadata
+from weir.layer_cache import PagedCacheSpec
+
+MLA = "mla"
+SPARSE_MLA = "sparse_mla"
+
+
+@dataclass(frozen=True)
+class MLALayerSpec(PagedCacheSpec):
+    """What an MLA layer needs from its backend and from the paged latent cache."""
+
+    layer_idx: int
+    num_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    scale: float  # the softmax scale, mscale folded in
+    # Sparse layers (DSA): the indexer's heads, head size and how many keys each query keeps.
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+
+    def __post_init__(self):
+        if self.index_topk < 0 or (self.index_topk > 0) != (self.index_head_dim > 0 and self.index_n_heads > 0):
+            raise ValueError(f"layer {self.layer_idx}: a sparse MLA layer needs index_topk, index_head_dim and "
+                             f"index_n_heads all positive (a dense one all 0), got {self.index_topk}, "
+                             f"{self.index_head_dim}, {self.index_n_heads}")
+
+    @property
+    def kind(self) -> str:
+        return SPARSE_MLA if self.index_topk else MLA
+
+    @property
+    def latent_dim(self) -> int:
+        """Cache columns of the latent and the rope key: the absorbed form's key size."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def cache_dim(self) -> int:
+        """Cache columns per token: latent, rope key, then the indexer key of sparse layers."""
+        return self.latent_dim + self.index_head_dim
+
+
+@dataclass
+class IndexerInputs:
+    """One step's lightning-indexer inputs of a sparse MLA layer (token order of the step)."""
+
+    q: torch.Tensor  # [num_tokens, index_n_heads, index_head_dim], rope applied
+    k: torch.Tensor  # [num_tokens, index_head_dim], normalised, rope applied; stored in the cache
+    weights: torch.Tensor  # [num_tokens, index_n_heads] fp32, every scale folded in
+
+
+class MLABackend(AttentionBackend):
+    """The base of backends serving ``mla`` (and, with an indexer, ``sparse_mla``) layers.
+
+    Registered and selected like any attention backend (``weir_attention_backends``, one backend
+    per layer kind); constructed as ``cls(block_size, dtype, device)``. The model computes the
+    projections, the latent norm and RoPE; the backend stores this step's latent, rope key (and
+    indexer key) at ``slot_mapping`` and attends as the module docstring says.
+    """
+
+    supported_layer_kinds: ClassVar[frozenset[str]] = frozenset({MLA})
+
+    def kv_cache_shape(self, num_blocks: int, layer: MLALayerSpec) -> tuple[int, ...]:
+        return (num_blocks, self.block_size, layer.cache_dim)
+
+    @abstractmethod
+    def forward(
+        self,
+        layer: MLALayerSpec,
+        q_nope: torch.Tensor,  # [num_tokens, num_heads, qk_nope_head_dim]
+        q_pe: torch.Tensor,  # [num_tokens, num_heads, qk_rope_head_dim], rope applied
+        kv_c: torch.Tensor,  # [num_tokens, kv_lora_rank], normalised
+        k_pe: torch.Tensor,  # [num_tokens, qk_rope_head_dim], rope applied
+        kv_cache: torch.Tensor,  # kv_cache_shape(...)
+        metadata: AttentionMetadata,
+        w_uk: torch.Tensor,  # [num_heads, qk_nope_head_dim, kv_lora_rank]
+        w_uv: torch.Tensor,  # [num_heads, v_head_dim, kv_lora_rank]
+        indexer: IndexerInputs | None = None,  # sparse layers only
+    ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
+        """Store this step's cache rows, then attend (sparsely when ``indexer`` is given)."""
