@@ -76,7 +76,8 @@ def serve(
                                              help="seconds an idle kept-alive connection stays open"),
     timeout_header: float = typer.Option(DEFAULT_TIMEOUT_HEADER,
                                          help="seconds a client has to send a request's headers (from "
-                                              "connecting, or from its first byte); past it: 408, closed"),
+                                              "connecting, or from its first byte), and then its body; past "
+                                              "it: 408"),
     max_connections: int = typer.Option(DEFAULT_MAX_CONNECTIONS,
                                         help="connections open at once; past it a new one gets 503"),
     h11_max_incomplete_event_size: int = typer.Option(DEFAULT_H11_MAX_INCOMPLETE_EVENT_SIZE,

@@ -213,6 +213,11 @@ class EngineArgs:
         if max_model_len > model_max:
             raise ValueError(f"max_model_len={max_model_len} is longer than the model's "
                              f"max_position_embeddings={model_max}")
+        vocab_size = getattr(hf_config, "vocab_size", None)
+        outside = [t for t in files.eos_token_ids if isinstance(vocab_size, int) and not 0 <= t < vocab_size]
+        if outside:
+            raise ValueError(f"{files.display_name}: end-of-sequence token ids {outside} lie outside the vocabulary "
+                             f"[0, {vocab_size}): fix eos_token_id in its config.json or generation_config.json")
         default_tokens = 8192 if platform_device_type == "cpu" else 16384
         max_num_seqs = self.max_num_seqs or (256 if platform_device_type == "cpu" else 1024)
         max_batched = self.max_num_batched_tokens or default_tokens

@@ -24,6 +24,9 @@ _MAX_PROMPT_CONTEXT_TOKENS = 8
 _REPLACEMENT = "\ufffd"
 # No character is longer than 4 bytes, so bytes still waiting for the rest of one are at most 3.
 _MAX_UNFINISHED_BYTES = 3
+# A decoder that decodes a byte run only as a whole (ByteFallback) re-decodes the held run at
+# every token: past this many held tokens the run is cut and handed out as it reads then.
+_MAX_HELD_TOKENS = 32
 
 
 def backend_tokenizer(tokenizer: object) -> Tokenizer:
@@ -45,7 +48,7 @@ def decode_token(tokenizer: object, token_id: int) -> str:
     return backend_tokenizer(tokenizer).decode([token_id], skip_special_tokens=False)
 
 
-def _prompt_context(backend: Tokenizer, prompt_token_ids: Sequence[int]) -> list[int]:
+def _prompt_context(backend: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool) -> list[int]:
     """The shortest prompt suffix (at least 4 tokens when the prompt has them) that starts and
     ends on a whole character; none when there is no such suffix.
 
@@ -57,7 +60,8 @@ def _prompt_context(backend: Tokenizer, prompt_token_ids: Sequence[int]) -> list
     num_tokens = len(prompt_token_ids)
     for length in range(min(4, num_tokens), min(_MAX_PROMPT_CONTEXT_TOKENS, num_tokens) + 1):
         suffix = list(prompt_token_ids[num_tokens - length :])
-        text = backend.decode(suffix, skip_special_tokens=False)
+        # As the stream will decode it: a special token it skips must not hide a split character.
+        text = backend.decode(suffix, skip_special_tokens=skip_special_tokens)
         if not text.startswith("\ufffd") and not text.endswith("\ufffd"):
             return suffix
     return []
@@ -137,7 +141,7 @@ class _TextStream:
             self._read_ids, self._read_text = [], ""
             text = self._decode(self._new_ids)
         new_text = self._new_text = text[len(self._read_text):]
-        if new_text.endswith(_REPLACEMENT):
+        if new_text.endswith(_REPLACEMENT) and (self._bytes_as_a_whole or len(self._new_ids) < _MAX_HELD_TOKENS):
             return self._release(len(new_text) - self._max_unfinished)
         if not new_text and not self._bytes_as_a_whole:
             return ""  # skipped special tokens, say: kept, as DecodeStream keeps them
@@ -147,17 +151,25 @@ class _TextStream:
         # else only skipped special tokens (every other byte-level token has bytes): they change
         # no decoding, so they go and the read part stays
         self._new_ids = []
-        self._fast = DecodeStream(ids=list(self._read_ids), skip_special_tokens=self._skip_special_tokens)
+        self._resume_fast_path()
         return piece
+
+    def _resume_fast_path(self) -> None:
+        self._fast = DecodeStream(ids=list(self._read_ids), skip_special_tokens=self._skip_special_tokens)
+        self._read_text, self._new_text, self._num_released = "", "", 0
 
     def flush(self) -> str:
         """The text still held (an unfinished character reads as U+FFFD): the sequence ended."""
         if not self._new_ids:
             return ""
+        if self._fast is not None:  # DecodeStream holds them: none of their text is out yet
+            read_text, num_released = self._decode(self._read_ids), 0
+        else:
+            read_text, num_released = self._read_text, self._num_released
         text = self._decode(self._read_ids + self._new_ids)
-        piece = text[len(self._read_text) + self._num_released:] if text.startswith(self._read_text) else ""
+        piece = text[len(read_text) + num_released:] if text.startswith(read_text) else ""
         self._read_ids, self._new_ids = self._new_ids, []
-        self._fast = DecodeStream(ids=list(self._read_ids), skip_special_tokens=self._skip_special_tokens)
+        self._resume_fast_path()
         return piece
 
     def _release(self, num_final_chars: int) -> str:
@@ -192,7 +204,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: object, prompt_token_ids: Sequence[int], params: SamplingParams):
         self._backend = backend_tokenizer(tokenizer)
-        self._context = _prompt_context(self._backend, prompt_token_ids)
+        self._context = _prompt_context(self._backend, prompt_token_ids, params.skip_special_tokens)
         self._skip_special_tokens = params.skip_special_tokens
         self._stream = _TextStream(self._backend, self._context, params.skip_special_tokens)
         self._stop_strings: list[str] = list(params.stop)

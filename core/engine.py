@@ -269,8 +269,8 @@ class LLMEngine:
                    if parent.finished or not parent.final_only]
         busy = self.has_unfinished_requests()
         if self._busy and not busy:
-            # The engine just went idle: every block and slot must be back (one pass over the pools).
-            self.scheduler.kv_cache.check_invariants(idle=True)
+            # The engine just went idle: every block and slot must be back.
+            self.scheduler.kv_cache.check_idle()
         self._busy = busy
         # Finished requests are forgotten only once every output is built: had building one
         # raised, reset_after_failure still finds them all, so their callers hear of it.

@@ -9,6 +9,7 @@ reads as one) is not text: no UTF-8 response can carry it back.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -20,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from weir.server.errors import APIError, bad_request, from_validation_error
+from weir.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 Model = TypeVar("Model", bound=BaseModel)
@@ -53,7 +55,10 @@ def _refuse_constant(name: str) -> None:
 
 def _decode(raw: bytes):
     try:
-        return json.loads(raw, parse_float=_finite_float, parse_constant=_refuse_constant)
+        # UTF-8 only (json.loads of bytes would also take UTF-16 and UTF-32, which the surrogate
+        # check below cannot search); "surrogatepass" lets ED A0 80 through, to be named there.
+        text = raw.decode("utf-8", "surrogatepass")
+        return json.loads(text, parse_float=_finite_float, parse_constant=_refuse_constant)
     except _NotANumber as error:
         raise bad_request(f"the request body is not valid JSON: {error}", code="invalid_json") from error
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -101,17 +106,26 @@ def _find_lone_surrogate(data) -> tuple[str | None, str, bool] | None:
     return None
 
 
-async def read_json(request: Request, limit: int) -> dict:
-    """The body as a JSON object; refuses a body over ``limit`` bytes before reading all of it."""
+async def read_json(request: Request, settings: ServerSettings) -> dict:
+    """The body as a JSON object; refuses a body over ``--max-request-body-bytes`` before reading
+    all of it, and one that does not arrive within ``--timeout-header`` of its headers (408: a
+    client trickling its body would otherwise hold its connection, and a slot of
+    ``--max-connections``, forever)."""
+    limit = settings.max_request_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(settings.timeout_header):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {settings.timeout_header:g} s of its "
+                            f"headers (--timeout-header)", code="request_timeout") from None
     raw = b"".join(chunks)
     if not raw.strip():
         raise bad_request("the request body is empty; expected a JSON object")

@@ -19,7 +19,7 @@ from weir.server.tool_calls import ToolCallStream, parse_tool_calls
 
 
 async def create_chat_completion(request: Request, state: ServerState) -> Response:
-    chat = parse(ChatCompletionRequest, await read_json(request, state.settings.max_request_body_bytes))
+    chat = parse(ChatCompletionRequest, await read_json(request, state.settings))
     state.check_model(chat.model)
     settings = state.settings
     chat.check_supported(settings.auto_tool_call_parser)

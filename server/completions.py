@@ -20,7 +20,7 @@ from weir.server.streaming import DONE_EVENT, EventStreamResponse, final_outputs
 
 
 async def create_completion(request: Request, state: ServerState) -> Response:
-    body = parse(CompletionRequest, await read_json(request, state.settings.max_request_body_bytes))
+    body = parse(CompletionRequest, await read_json(request, state.settings))
     state.check_model(body.model)
     body.check_supported()
     token_ids_only = not has_tokenizer(state.tokenizer)

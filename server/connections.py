@@ -14,7 +14,9 @@ answered in ``cycle`` and refuse bad HTTP through ``send_400_response``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import logging
 import socket
 from http import HTTPStatus
 from typing import Any
@@ -23,6 +25,8 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from weir.server.errors import APIError
 from weir.server.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
 
 
 def _send_small_writes_at_once(transport: asyncio.Transport) -> None:
@@ -95,8 +99,31 @@ class _ConnectionLimits:
         self.transport.close()
 
 
+def connections_the_process_can_open(wanted: int) -> int:
+    """Raise the soft limit on open files towards ``wanted`` sockets (as vLLM does) and return how
+    many connections fit under it: past the limit ``accept`` fails before the cap's 503 can be
+    sent. Some descriptors stay for what else the process opens (model files, the engine)."""
+    import resource
+
+    reserve = 128
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted + reserve if hard == resource.RLIM_INFINITY else min(hard, wanted + reserve)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return wanted if soft == resource.RLIM_INFINITY else max(1, min(wanted, soft - reserve))
+
+
 def uvicorn_options(settings: ServerSettings) -> dict[str, Any]:
     """``uvicorn.Config`` arguments that put ``settings``' connection limits in force."""
+    room = connections_the_process_can_open(settings.max_connections)
+    if room < settings.max_connections:
+        logger.warning("--max-connections %d is more than the open-file limit allows: at most %d connections "
+                       "(raise it with ulimit -n)", settings.max_connections, room)
+        settings = dataclasses.replace(settings, max_connections=room)
     protocol = type("WeirHTTPProtocol", (_ConnectionLimits, AutoHTTPProtocol), {"limits": settings})
     return {"http": protocol, "timeout_keep_alive": settings.timeout_keep_alive,
             "h11_max_incomplete_event_size": settings.h11_max_incomplete_event_size}

@@ -38,7 +38,7 @@ async def version(request: Request, state: ServerState) -> Response:
 
 
 async def tokenize(request: Request, state: ServerState) -> Response:
-    body = parse(TokenizeRequest, await read_json(request, state.settings.max_request_body_bytes))
+    body = parse(TokenizeRequest, await read_json(request, state.settings))
     state.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
@@ -53,7 +53,7 @@ async def tokenize(request: Request, state: ServerState) -> Response:
 
 
 async def detokenize(request: Request, state: ServerState) -> Response:
-    body = parse(DetokenizeRequest, await read_json(request, state.settings.max_request_body_bytes))
+    body = parse(DetokenizeRequest, await read_json(request, state.settings))
     state.check_model(body.model)
     return JSONResponse({"prompt": state.decode(body.tokens)})
 

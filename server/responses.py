@@ -35,7 +35,7 @@ def _item_id(prefix: str) -> str:
 
 
 async def create_response(request: Request, state: ServerState) -> Response:
-    body = parse(ResponsesRequest, await read_json(request, state.settings.max_request_body_bytes))
+    body = parse(ResponsesRequest, await read_json(request, state.settings))
     state.check_model(body.model)
     settings = state.settings
     body.check_supported(settings.auto_tool_call_parser)

@@ -35,8 +35,18 @@ def _call(block: str) -> dict | None:
     arguments = value.get("arguments", {})
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
+    if not (_utf8_text(value["name"]) and _utf8_text(arguments)):
+        return None  # a \ud800 escape decodes to a lone surrogate no response can carry: it stays text
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": value["name"], "arguments": arguments}}
+
+
+def _utf8_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _close_block(body: str, finished: bool) -> tuple[dict | None, int] | None:

@@ -339,7 +339,7 @@ def test_byte_fallback_text_that_changes_behind_the_stream_does_not_fail_it(byte
     assert "".join(deltas) == detokenizer.output_text == "a€\ufffd a"
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_real_gguf_tokenizer_lone_lead_byte_tokens():
     """SmolLM2's byte-level BPE has a token for each lone lead byte ("â" is 0xE2, "ð" 0xF0)."""
     from transformers import AutoTokenizer
@@ -354,3 +354,33 @@ def test_real_gguf_tokenizer_lone_lead_byte_tokens():
     detokenizer, deltas = stream(tokenizer, token_ids, prompt=prompt)
     assert first_text_after(deltas) <= 4
     assert "".join(deltas) == tokenizer.decode(token_ids) == "\ufffd" * 20 + " done"
+
+
+def test_byte_fallback_finish_after_the_stream_resumed_repeats_nothing(byte_fallback_tokenizer):
+    """A lone byte the fast path holds at the end, after an earlier held run was handed out:
+    ``finish`` adds just that byte's U+FFFD, not the text of the earlier run again."""
+    token_ids = [2] + byte_ids("€".encode() + b"\xe2") + [1] + byte_ids(b"\xe2")
+    detokenizer = IncrementalDetokenizer(byte_fallback_tokenizer, [], SamplingParams())
+    text = "".join(detokenizer.append(token) for token in token_ids) + detokenizer.finish(token_ids)
+    assert text == detokenizer.output_text == "a€\ufffd a\ufffd"
+
+
+def test_byte_fallback_long_invalid_runs_are_cut_not_held(byte_fallback_tokenizer):
+    """Held runs stop growing (each token would re-decode the whole run): a run of 200 lone lead
+    bytes streams out as it goes and still reads as decode shows it."""
+    token_ids = [2] + byte_ids(b"\xe2" * 200) + [1]
+    detokenizer, deltas = stream(byte_fallback_tokenizer, token_ids)
+    assert "".join(deltas) == byte_fallback_tokenizer.decode(token_ids)
+    assert max(len(run) for run in "".join("x" if delta else " " for delta in deltas).split("x")) <= 32
+
+
+def test_a_skipped_special_token_does_not_hide_a_prompt_split_inside_a_character(byte_tokenizer):
+    """The prompt ends in a lead byte then EOS: the stream skips EOS, so the prompt's tail is
+    unfinished text and must not serve as context (the output would complete it and hand the
+    prompt out)."""
+    eos = byte_tokenizer.eos_token_id
+    prompt = [ord(c) for c in "SECRET prompt"] + [0xE2, eos]
+    output = [0x82, 0xAC] + [ord(c) for c in " ok"]
+    detokenizer, deltas = stream(byte_tokenizer, output, SamplingParams(skip_special_tokens=True), prompt=prompt)
+    assert "SECRET" not in "".join(deltas)
+    assert "".join(deltas) == byte_tokenizer.decode(output, skip_special_tokens=True)

@@ -128,3 +128,16 @@ def test_the_scheduler_preempts_when_a_windowed_group_runs_out():
         finished |= {update.request.request_id for update in scheduler.update(out, sampled) if update.finished}
     assert finished == {"a", "b"} and scheduler.num_preemptions > 0
     manager.check_invariants(idle=True)
+
+
+def test_the_idle_check_catches_a_block_nobody_gave_back():
+    manager = KVCacheManager(BLOCK, [GroupConfig(16), GroupConfig(16, WINDOW)], enable_prefix_caching=True)
+    request = make_request("a", range(8))
+    run_chunk(manager, request, 8)
+    with pytest.raises(AssertionError, match="requests still hold blocks"):
+        manager.check_idle()
+    manager.free(request)
+    manager.check_idle()  # cached blocks count as back
+    manager.pools[1].allocate(1)  # a block taken behind the manager's back
+    with pytest.raises(AssertionError, match="group 1: 1 blocks held with no request running"):
+        manager.check_idle()

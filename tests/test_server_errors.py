@@ -98,6 +98,9 @@ BAD_REQUESTS = [
     # The raw UTF-8 form of a surrogate, which Python's JSON parser reads as one.
     ("raw-surrogate-bytes-model", COMPLETIONS_PATH, b'{"model": "\xed\xa0\x80", "prompt": "hi"}', AUTH, 400,
      "model", "lone UTF-16 surrogate (U+D800)"),
+    # json.loads of bytes would read UTF-16 and UTF-32 too, where the surrogate search is blind.
+    *[(f"{encoding}-body", RESPONSES_PATH, json.dumps(response(user="\ud800")).encode(encoding, "surrogatepass"),
+       AUTH, 400, None, "not valid JSON") for encoding in ("utf-16", "utf-16-le", "utf-32")],
     ("lone-surrogate-message", CHAT_PATH, chat(messages=[{"role": "user", "content": "a\udfffb"}]), AUTH, 400,
      "messages.0.content", "U+DFFF"),
     ("lone-surrogate-stop", CHAT_PATH, chat(stop=["ok", "\udc00"]), AUTH, 400, "stop.1", "surrogate"),
@@ -333,6 +336,22 @@ def test_clients_sending_headers_a_byte_at_a_time_get_408_and_the_rest_are_serve
         for sock in [*slow, silent]:
             sock.close()
     assert request("POST", server.port, COMPLETIONS_PATH, completion(), AUTH)[0] == 200
+
+
+def test_a_body_that_trickles_in_gets_408_and_others_are_served(server):
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    started = time.monotonic()
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: 100\r\nauthorization: " + AUTH["authorization"].encode() + b"\r\n\r\n{")
+        assert request("POST", server.port, COMPLETIONS_PATH, completion(), AUTH)[0] == 200
+        sock.settimeout(HEADER_TIMEOUT + 10)
+        head, _, body = sock.recv(65536).partition(b"\r\n\r\n")
+        assert int(head.split()[1]) == 408
+        assert_openai_error(json.loads(body), 408, None, "request body did not arrive within")
+        assert time.monotonic() - started < HEADER_TIMEOUT + 5
+    finally:
+        sock.close()
 
 
 def test_an_idle_kept_alive_connection_is_closed(server):

@@ -176,3 +176,13 @@ def test_a_tool_call_json_cannot_hold_stays_text():
         stream = ToolCallStream()
         streamed, streamed_calls = stream.feed(text, finished=True)
         assert streamed_calls == [] and streamed == text
+
+
+def test_a_tool_call_naming_a_lone_surrogate_stays_text():
+    """JSON's \\ud800 escape decodes to a lone surrogate, which no response can carry (UTF-8
+    cannot encode it): a call holding one, in its name or arguments, stays the model's text."""
+    for text in ('<tool_call>{"name": "f", "arguments": {"x": "\\ud800"}}</tool_call>',
+                 '<tool_call>{"name": "f\\ud800", "arguments": {}}</tool_call>'):
+        content, calls = parse_tool_calls(text)
+        assert calls == [] and content == text
+        assert ToolCallStream().feed(text, finished=True) == (text, [])

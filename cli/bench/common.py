@@ -72,8 +72,19 @@ def check_writable(path: Path | None, option: str) -> None:
         fail(f"{option} {path} is not writable")
 
 
+def _finite(value: Any) -> Any:
+    """NaN (a statistic of no samples) as null: strict JSON has no NaN."""
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_finite(item) for item in value]
+    return value
+
+
 def write_json(path: Path, payload: dict[str, Any]) -> None:
-    text = json.dumps(payload, indent=2) + "\n"
+    text = json.dumps(_finite(payload), indent=2, allow_nan=False) + "\n"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)

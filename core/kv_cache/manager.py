@@ -223,6 +223,17 @@ class KVCacheManager:
 
     # ---- invariants -----------------------------------------------------------------------
 
+    def check_idle(self) -> None:
+        """Nothing may be held once no request runs: every usable block back in its pool's free
+        queue (free or cached), every state slot free. Constant time per group, so the engine
+        checks it whenever it goes idle; ``check_invariants`` is the thorough check."""
+        assert not self._requests, f"requests still hold blocks: {sorted(self._requests)[:8]}"
+        for g, pool in enumerate(self.pools):
+            assert pool.num_free_blocks == pool.num_usable_blocks, (
+                f"group {g}: {pool.num_usable_blocks - pool.num_free_blocks} blocks held with no request running")
+        if self.state_slots is not None:
+            assert self.state_slots.num_free == self.state_slots.num_slots, "a state slot is held with no request"
+
     def check_invariants(self, idle: bool = False) -> None:
         """Assert the allocators' invariants (module docstring); ``idle``: no request runs, so
         nothing may be held. Costs one pass over every block: tests call it after every step,

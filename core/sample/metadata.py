@@ -38,7 +38,7 @@ class SamplingMetadata:
     presence_penalty: torch.Tensor  # [R] fp32
     frequency_penalty: torch.Tensor  # [R] fp32
     repetition_penalty: torch.Tensor  # [R] fp32
-    # Both None when no batch row uses penalties, so the common case pays nothing.
+    # Both None when no batch row uses penalties: such a batch reads neither.
     output_token_counts: torch.Tensor | None  # [R, vocab] int32
     prompt_token_mask: torch.Tensor | None  # [R, vocab] bool
     # (batch_idx [num_banned] int64, token_id [num_banned] int64): forced to -inf before sampling.
@@ -52,7 +52,7 @@ class SamplingMetadata:
     no_min_p: bool
     no_penalties: bool
     in_batch_order: bool = False  # True: per-row tensors are [B] already (what gathered() returns)
-    _gathered: SamplingMetadata | None = field(default=None, repr=False, compare=False)
+    _gathered: SamplingMetadata | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_rows(self) -> int:

@@ -4,8 +4,10 @@ Rows are the runner's request-table rows. ``add_request`` stages a row's paramet
 ``StagedWriteTensor`` per parameter, applied by ``apply_staged_writes`` once per step) and sets
 the small host mirrors that decide the per-step skip flags without reading the device.
 Penalty state (``[rows, vocab]`` output-token counts and prompt-token mask) is allocated when
-the first request with penalties arrives; a row's state is reset when a request takes it, and
-the runner's post-update kernel adds each sampled token to ``output_token_counts``.
+the first request with penalties arrives: on accelerators that is the start-up warm-up, whose
+sampling kinds include penalties, so the memory is taken (and counted) before the KV cache is
+sized and no request allocates it later. A row's state is reset when a request takes it, and the
+runner's post-update kernel adds each sampled token to ``output_token_counts``.
 """
 
 from __future__ import annotations
