@@ -141,3 +141,26 @@ def test_the_idle_check_catches_a_block_nobody_gave_back():
     manager.pools[1].allocate(1)  # a block taken behind the manager's back
     with pytest.raises(AssertionError, match="group 1: 1 blocks held with no request running"):
         manager.check_idle()
+
+
+def test_async_scheduling_frees_a_waiting_requests_window_before_the_next_chunk():
+    """A request whose last prefill chunk already produced its last output slot is served nothing
+    while that token is in flight; its chunk's blocks outside the window go back at once, so the
+    next request's chunk fits (the windowed group is sized for one step's chunks)."""
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64, async_scheduling=True)
+    manager = KVCacheManager(BLOCK, [GroupConfig(64), GroupConfig(11, WINDOW)], enable_prefix_caching=False)
+    scheduler = Scheduler(config, manager)
+    scheduler.add_request(make_request("a", range(32), max_tokens=1))
+    first = scheduler.schedule()  # a's whole prompt: 8 windowed blocks of 10 usable
+    assert first.num_scheduled_tokens == {"a": 32}
+    scheduler.add_request(make_request("b", range(100, 132), max_tokens=1))
+    second = scheduler.schedule()  # a waits for its token; b needs 8 windowed blocks
+    assert second.num_scheduled_tokens == {"b": 32}
+    assert len(live(manager.block_ids(scheduler.requests["a"])[1])) <= 2
+    manager.check_invariants()
+
+
+def test_no_hit_without_a_cached_block():
+    """Windows of one token need no prefix: an empty cache must still report no hit."""
+    manager = KVCacheManager(BLOCK, [GroupConfig(16, 1)], enable_prefix_caching=True)
+    assert manager.get_computed_blocks(make_request("a", range(20))) == (([],), 0)

@@ -18,6 +18,7 @@ class FakeKVCache:
         self.capacity = capacity
         self.held: dict[str, int] = {}
         self.freed: list[str] = []
+        self.window_frees: list[str] = []  # requests served nothing in a step (async placeholders)
 
     def get_computed_blocks(self, request):
         return ([],), 0
@@ -36,6 +37,9 @@ class FakeKVCache:
     def free(self, request):
         if self.held.pop(request.request_id, None) is not None:
             self.freed.append(request.request_id)
+
+    def free_out_of_window(self, request):
+        self.window_frees.append(request.request_id)
 
     def block_ids(self, request):
         return ([],)
@@ -121,13 +125,14 @@ def test_stop_rules_eos_stop_ids_min_tokens_and_max_tokens():
 
 
 def test_async_placeholders_hold_a_finished_prefill_until_its_token_arrives():
-    scheduler, _ = make_scheduler(budget=64, async_scheduling=True)
+    scheduler, kv = make_scheduler(budget=64, async_scheduling=True)
     request = add(scheduler, "a", 5, max_tokens=2)
     first = scheduler.schedule()
     assert request.num_output_placeholders == 1
     second = scheduler.schedule()  # step 1 in flight: a decodes on its placeholder
     assert second.num_scheduled_tokens == {"a": 1} and request.num_output_placeholders == 2
     assert scheduler.schedule().is_empty  # max_tokens placeholders out: nothing more to compute
+    assert kv.window_frees == ["a"]  # its last chunk's out-of-window blocks need not wait for the token
     sample(scheduler, first)
     updates = sample(scheduler, second)
     assert request.output_token_ids == [5, 5] and updates[0].finished

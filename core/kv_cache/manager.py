@@ -113,6 +113,8 @@ class KVCacheManager:
         for group, group_cached in zip(self.groups, cached):
             first = self._first_needed_block(group, num_blocks * self.block_size)
             hits.append([NULL_BLOCK_ID] * first + group_cached[first:num_blocks])
+        if all(block_id == NULL_BLOCK_ID for group_hits in hits for block_id in group_hits):
+            return no_hit  # windows of one token need no cached block: nothing was found
         return tuple(hits), num_blocks * self.block_size
 
     def _first_needed_block(self, group: GroupConfig, next_position: int) -> int:
@@ -182,6 +184,15 @@ class KVCacheManager:
             request.state_slot = self.state_slots.allocate()
         self._cache_full_blocks(request, held, num_tokens_after_step)
         return tuple(appended)
+
+    def free_out_of_window(self, request: Request) -> None:
+        """Free the windowed groups' blocks that no query from ``request.num_computed_tokens`` on
+        reads. ``allocate_slots`` does it for every request it serves; the scheduler calls this for
+        running requests it serves nothing this step (waiting for their last token under async
+        scheduling), whose last chunk would otherwise hold its blocks a step longer."""
+        held = self._requests.get(request.request_id)
+        if held is not None:
+            self._free_out_of_window(held, request.num_computed_tokens)
 
     def _free_out_of_window(self, held: _RequestBlocks, next_position: int) -> None:
         """Free, in each windowed group, the blocks before the window of the query at

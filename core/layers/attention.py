@@ -117,7 +117,8 @@ def sliding_windows_of(hf_config: Any, max_model_len: int, window_on_every_layer
     ``layer_types`` (``full_attention`` / ``sliding_attention``, as Qwen2/Qwen3 build it from
     ``use_sliding_window`` and ``max_window_layers``, and Granite SWA sets it) decides per layer;
     without it, a scalar ``sliding_window`` applies to every layer only for architectures that
-    say so (``window_on_every_layer``: Mistral); any other model refuses it unless every sequence
+    say so (``window_on_every_layer``: Mistral, whose window transformers applies to every layer
+    whatever ``layer_types`` says); any other model refuses it unless every sequence
     fits in the window (``require_full_attention``). A window no shorter than ``max_model_len``
     sees the whole sequence, so it is full attention.
     """
@@ -126,7 +127,9 @@ def sliding_windows_of(hf_config: Any, max_model_len: int, window_on_every_layer
     window = getattr(hf_config, "sliding_window", None)
     if getattr(hf_config, "use_sliding_window", None) is False:  # Qwen2-style configs switch it off
         window = None
-    if layer_types:
+    if window and window_on_every_layer:  # Mistral: transformers ignores layer_types there
+        windows = [window] * num_layers
+    elif layer_types:
         unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
         if unknown:
             raise ValueError(f"{type(hf_config).__name__}: layer_types {unknown} are not supported by this model "
@@ -139,8 +142,6 @@ def sliding_windows_of(hf_config: Any, max_model_len: int, window_on_every_layer
             raise ValueError(f"{type(hf_config).__name__}: sliding_attention layers need a positive integer "
                              f"sliding_window, got {window!r}")
         windows = [window if kind == "sliding_attention" else None for kind in layer_types]
-    elif window and window_on_every_layer:
-        windows = [window] * num_layers
     else:
         require_full_attention(hf_config, max_model_len)
         windows = [None] * num_layers

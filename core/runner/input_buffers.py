@@ -68,8 +68,8 @@ class InputBuffers:
     def __init__(self, max_num_reqs: int, max_num_tokens: int, num_groups: int, max_blocks_per_req: int,
                  device: torch.device, pin_memory: bool, has_state: bool):
         """Room for a batch of ``max_num_reqs`` requests (padding included) and ``max_num_tokens``
-        tokens. Zero-filled: a forward whose input kernels did not run (compile-only warm-up)
-        still reads valid ids, the null block and the padding state slot's neighbours only."""
+        tokens. Zero-filled: a forward whose input kernels did not run (compile-only warm-up, which
+        runs only for models without state slots) still reads valid ids and the null block."""
         self.device = device
         self.pin_memory = pin_memory
 

@@ -83,7 +83,8 @@ def size_kv_cache(runner) -> KVSizing:
                 f"the KV cache budget ({budget / GiB:.2f} GiB) gives the cache group of {group.describe()} "
                 f"{max(blocks - 1, 0)} blocks of {runner.block_size} tokens, fewer than one request of "
                 f"max_model_len={scheduler.max_model_len} needs ({needed}); raise kv_cache_memory_bytes (or "
-                f"gpu_memory_utilization) or lower max_model_len")
+                f"gpu_memory_utilization) or lower "
+                f"{'max_model_len' if group.sliding_window is None else 'max_model_len or max_num_batched_tokens'}")
     total = sum(blocks * per_block for blocks, per_block in zip(num_blocks, bytes_per_block))
     logger.info("KV cache: %.2f GiB%s; %s", total / GiB, f" of a {budget / GiB:.2f} GiB budget" if budget > total else "",
                 "; ".join(f"{group.describe()}: {blocks - 1} blocks of {runner.block_size} tokens = "

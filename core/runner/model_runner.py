@@ -238,6 +238,9 @@ class ModelRunner:
         """Every input of the step, into the persistent buffers (no host reads of the device)."""
         buffers, table = self.inputs, self.table
         batch, num_tokens = plan.batch, plan.num_tokens
+        if num_tokens > buffers.input_ids.numel() or batch > buffers.idx_mapping.numel():
+            raise RuntimeError(f"a step of {batch} requests and {num_tokens} tokens exceeds the input buffers "
+                               f"({buffers.idx_mapping.numel()} requests, {buffers.input_ids.numel()} tokens)")
         idx_mapping = buffers.copy_from_host(buffers.idx_mapping, plan.padded_rows)
         query_start_loc = buffers.copy_from_host(buffers.query_start_loc, plan.query_start_loc)
         positions = buffers.positions[:num_tokens]

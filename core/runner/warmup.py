@@ -23,6 +23,7 @@ skip the compile-ahead pass and compile as the tasks run.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -62,9 +63,8 @@ def attention_shapes(runner) -> list[tuple[list[int], list[int]]]:
 def distinct_paged_layers(runner) -> list:
     """One paged layer per distinct spec apart from its index (most models have one or two)."""
     seen = {}
-    for layer in runner.caches.paged_layers:
-        key = {name: value for name, value in vars(layer).items() if name != "layer_idx"}
-        seen.setdefault((type(layer), tuple(sorted(key.items()))), layer)
+    for layer in runner.caches.paged_layers:  # specs are frozen dataclasses: hashable, replaceable
+        seen.setdefault(dataclasses.replace(layer, layer_idx=0), layer)
     return list(seen.values())
 
 
@@ -79,9 +79,14 @@ def warmup_tasks(runner, sampling_kinds: tuple[SamplingParams, ...] = SAMPLING_K
     sampling = [([1] * len(kinds), None, list(kinds))
                 for kinds in (sampling_kinds, sampling_kinds[1:2], sampling_kinds[2:3])]
     limit = runner.max_running_reqs  # no real step holds more requests (nor has the table more rows)
-    return [(runner.dummy_run, (query_lens[:limit], context_lens and context_lens[:limit], params and params[:limit],
-                                "off"))
-            for query_lens, context_lens, params in forwards + attention + sampling]
+    token_budget = runner.config.scheduler.max_num_batched_tokens  # nor more tokens
+    tasks = []
+    for query_lens, context_lens, params in forwards + attention + sampling:
+        query_lens = query_lens[:limit]
+        if sum(query_lens) <= token_budget:
+            tasks.append((runner.dummy_run, (query_lens, context_lens and context_lens[:limit],
+                                             params and params[:limit], "off")))
+    return tasks
 
 
 def compile_kernel_variants(runner) -> bool:

@@ -127,6 +127,7 @@ class Scheduler:
             request = self.running[index]
             num_new = min(self._owed(request), budget)
             if num_new <= 0:
+                self.kv_cache.free_out_of_window(request)
                 index += 1
                 continue
             new_blocks = self.kv_cache.allocate_slots(request, num_new)
