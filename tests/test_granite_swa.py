@@ -16,6 +16,8 @@ from helpers_models import make_tiny_granite_swa, make_tiny_granitemoe_swa, make
 from weir import LLM, SamplingParams
 from weir.kv_cache.block_pool import NULL_BLOCK_ID
 
+pytestmark = pytest.mark.integration  # parity through the whole engine
+
 NUM_TOKENS = 32
 WINDOW = 5
 

@@ -17,6 +17,8 @@ from engine_harness import assert_nothing_held, watch_engine
 from helpers_models import save_tiny_tokenizer
 from weir import LLM, SamplingParams
 
+pytestmark = pytest.mark.integration  # parity through the whole engine
+
 PLUGIN_DIR = Path(__file__).parent / "fixtures" / "toy_kinds_plugin"
 VOCAB, HIDDEN, LATENT = 320, 16, 8
 NUM_TOKENS = 24

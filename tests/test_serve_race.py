@@ -13,6 +13,8 @@ import pytest
 
 from bench_fake_server import FAKE_VERSION
 
+pytestmark = pytest.mark.integration  # weir serve processes
+
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_PEER = f"{sys.executable} {Path(__file__).parent / 'bench_fake_server.py'}"
 

@@ -17,6 +17,8 @@ from server_helpers import request
 from server_inprocess import TEMPLATE, serve_in_thread
 from weir.server.settings import ServerSettings
 
+pytestmark = pytest.mark.integration  # a real server over HTTP
+
 SEED = 20
 NUM_REQUESTS = 4000
 MAX_MODEL_LEN = 192

@@ -68,6 +68,7 @@ def test_stats_line_reports_the_interval_and_stays_quiet_when_idle(monkeypatch):
 
 
 @pytest.mark.parametrize("log_stats", [True, False])
+@pytest.mark.integration
 def test_serve_logs_stats_while_requests_run(tiny_llama_path, caplog, log_stats):
     settings = ServerSettings(log_stats=log_stats, log_stats_interval=0.1)
     caplog.set_level(logging.INFO, logger="weir.stats")
@@ -164,12 +165,14 @@ def ops_server(tiny_llama_path):
         yield port, engine
 
 
+@pytest.mark.integration
 def test_a_json_list_of_origins_is_one_origin_each(ops_server):
     port, _ = ops_server
     assert _preflight(port, "http://a.com") == "http://a.com"
     assert _preflight(port, '["http://a.com"]') is None and _preflight(port, "http://b.org") is None
 
 
+@pytest.mark.integration
 def test_generation_tokens_move_while_the_request_runs_under_both_names(ops_server):
     port, engine = ops_server
     before = scrape_metrics(port)
@@ -215,6 +218,7 @@ def test_generation_tokens_move_while_the_request_runs_under_both_names(ops_serv
     assert ("vllm:kv_cache_usage_perc", tuple(sorted(VLLM_LABELS.items()))) in after
 
 
+@pytest.mark.integration
 def test_engine_counters_count_each_prompt_once_and_every_completion_token(ops_server):
     port, engine = ops_server
     before = (engine.counters.prompt_tokens, engine.counters.generation_tokens)

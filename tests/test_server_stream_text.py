@@ -13,6 +13,8 @@ from helpers_models import TINY_EOS_ID
 from server_helpers import stream_sse
 from server_inprocess import ScriptedReply, serve_in_thread
 
+pytestmark = pytest.mark.integration  # a real server over HTTP
+
 LONE_LEADS = [0xE2] * 20 + list(b"a")
 WITH_STOP = [0xE2] * 10 + list(b"x stop y") + [0xF0] * 4
 
