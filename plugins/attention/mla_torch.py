@@ -28,6 +28,11 @@ def check_mla_inputs(layer: MLALayerSpec, q_nope: torch.Tensor, q_pe: torch.Tens
                      indexer: IndexerInputs | None) -> None:
     """Raise ``ValueError`` naming the first argument whose shape breaks the contract of
     ``weir.mla.MLABackend.forward`` (shapes only: nothing is read from the device)."""
+    if layer.kind == SPARSE_MLA and indexer is None:
+        raise ValueError(f"MLA layer {layer.layer_idx} is sparse (index_topk={layer.index_topk}) but forward "
+                         f"got no indexer inputs")
+    if layer.kind == MLA and indexer is not None:
+        raise ValueError(f"MLA layer {layer.layer_idx} is dense (index_topk=0) but forward got indexer inputs")
     num_tokens, heads = q_nope.shape[0], layer.num_heads
     expected = {
         "q_nope": (q_nope, (num_tokens, heads, layer.qk_nope_head_dim)),
@@ -49,11 +54,6 @@ def check_mla_inputs(layer: MLALayerSpec, q_nope: torch.Tensor, q_pe: torch.Tens
     if kv_cache.dim() != 3 or kv_cache.shape[-1] != layer.cache_dim:
         raise ValueError(f"MLA layer {layer.layer_idx}: kv_cache must be [num_blocks, block_size, "
                          f"{layer.cache_dim}], got {list(kv_cache.shape)}")
-    if layer.kind == SPARSE_MLA and indexer is None:
-        raise ValueError(f"MLA layer {layer.layer_idx} is sparse (index_topk={layer.index_topk}) but forward "
-                         f"got no indexer inputs")
-    if layer.kind == MLA and indexer is not None:
-        raise ValueError(f"MLA layer {layer.layer_idx} is dense (index_topk=0) but forward got indexer inputs")
     if indexer is not None and indexer.weights.dtype != torch.float32:
         raise ValueError(f"MLA layer {layer.layer_idx}: indexer.weights must be float32, got {indexer.weights.dtype}")
 
