@@ -183,7 +183,9 @@ _DEEPSEEK = dict(
     tie_word_embeddings=False,
 )
 # DSA at test size: index_topk far below the prompts, so queries attend to a few of their keys.
-_DSA = dict(index_n_heads=8, index_head_dim=16, index_topk=8)
+# 32 indexer heads: with 8, a key whose every head has a negative q.k (score exactly 0) was common
+# enough that tied scores at the top-k boundary made the kept keys an implementation's choice.
+_DSA = dict(index_n_heads=32, index_head_dim=16, index_topk=8)
 
 
 def make_tiny_deepseek_v3(path: Path, *, seed: int = 0, with_tokenizer: bool = False, **overrides: Any) -> Path:
@@ -197,7 +199,7 @@ def make_tiny_deepseek_v3(path: Path, *, seed: int = 0, with_tokenizer: bool = F
 
 
 def make_tiny_deepseek_v32(path: Path, *, seed: int = 0, with_tokenizer: bool = False, **overrides: Any) -> Path:
-    """DeepSeek-V3.2: ``make_tiny_deepseek_v3``'s layers, every one sparse with an indexer of 8
+    """DeepSeek-V3.2: ``make_tiny_deepseek_v3``'s layers, every one sparse with an indexer of 32
     heads of 16 dims keeping ``index_topk=8`` keys per query."""
     from transformers import DeepseekV32Config
 

@@ -194,6 +194,12 @@ class DeepseekMoE(nn.Module):
 
     def __init__(self, hf_config: Any):
         super().__init__()
+        # Fields of the original DeepSeek configs that transformers reads as fixed: refuse others
+        # rather than route another way than the checkpoint was trained with.
+        scoring, topk_method = getattr(hf_config, "scoring_func", "sigmoid"), getattr(hf_config, "topk_method", None)
+        if scoring != "sigmoid" or topk_method not in (None, "noaux_tc"):
+            raise ValueError(f"DeepSeek-V3 MoE routing is sigmoid scoring with noaux_tc top-k; this config asks for "
+                             f"scoring_func={scoring!r}, topk_method={topk_method!r}")
         hidden = hf_config.hidden_size
         num_experts = hf_config.n_routed_experts
         self.intermediate_size = hf_config.moe_intermediate_size
