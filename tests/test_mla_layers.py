@@ -76,6 +76,16 @@ def test_the_real_v3_scale():
     assert mla_softmax_scale(config) == pytest.approx(0.13524, abs=1e-5)
 
 
+def test_moe_on_every_other_layer_is_refused():
+    from weir.plugins.models.deepseek_v3 import is_moe_layer
+
+    assert [is_moe_layer(small_config(first_k_dense_replace=1), index) for index in range(3)] == [False, True, True]
+    config = small_config(first_k_dense_replace=1)
+    config.moe_layer_freq = 2
+    with pytest.raises(ValueError, match="moe_layer_freq=2 is not supported"):
+        is_moe_layer(config, 1)
+
+
 @pytest.mark.parametrize("fields", [{"scoring_func": "softmax"}, {"topk_method": "greedy"}])
 def test_other_routing_fields_are_refused(fields):
     config = small_config(moe_intermediate_size=32, n_shared_experts=1, routed_scaling_factor=2.5)

@@ -247,6 +247,10 @@ def is_moe_layer(hf_config: Any, layer_idx: int) -> bool:
             raise ValueError(f"mlp_layer_types must hold 'dense' or 'sparse' for each of the "
                              f"{hf_config.num_hidden_layers} layers, got {mlp_types!r}")
         return mlp_types[layer_idx] == "sparse"
+    moe_layer_freq = getattr(hf_config, "moe_layer_freq", None) or 1
+    if moe_layer_freq != 1:  # transformers puts the MoE on every layer past the dense ones
+        raise ValueError(f"moe_layer_freq={moe_layer_freq} is not supported: DeepSeek-V3 layers past "
+                         f"first_k_dense_replace are all MoE (moe_layer_freq 1)")
     return layer_idx >= (hf_config.first_k_dense_replace or 0)
 
 
@@ -303,7 +307,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.ignored_checkpoint_patterns = (r"rotary_emb\.inv_freq$", mtp_layer_pattern(num_layers))
         num_mtp = getattr(hf_config, "num_nextn_predict_layers", None) or 0
         if num_mtp:
-            logger.info("%s: the checkpoint's %d MTP layer(s) (model.layers.%d.*) are not loaded: speculative "
+            logger.info("%s: the checkpoint's %d MTP layer(s) (model.layers.%d.* on) are not loaded: speculative "
                         "decoding does not use them yet", type(self).__name__, num_mtp, num_layers)
         interleaved = getattr(hf_config, "rope_interleave", None)
         self.rotary_emb = mla_rotary(hf_config, config.max_model_len,
