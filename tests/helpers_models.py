@@ -48,7 +48,10 @@ def _rope(variant: dict[str, Any] | None, rope_theta: float) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def _save_random(config: Any, path: Path, seed: int, with_tokenizer: bool) -> Path:
+def _save_random(config: Any, path: Path, seed: int, with_tokenizer: bool,
+                 random_buffers: tuple[str, ...] = ()) -> Path:
+    """``random_buffers``: name suffixes of saved buffers to randomise too (std 0.1), such as
+    DeepSeek's ``e_score_correction_bias``, which transformers initialises to zeros."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
@@ -57,6 +60,9 @@ def _save_random(config: Any, path: Path, seed: int, with_tokenizer: bool) -> Pa
     for name, param in model.named_parameters():
         if param.ndim == 1:  # norms around 1, biases around 0
             param.copy_(torch.randn_like(param) * 0.2 + (1.0 if "norm" in name else 0.0))
+    for name, buffer in model.named_buffers():
+        if random_buffers and name.endswith(random_buffers):
+            buffer.copy_(torch.randn_like(buffer) * 0.1)
     model.save_pretrained(path)
     if with_tokenizer:
         save_tiny_tokenizer(path, config.vocab_size)
@@ -161,6 +167,55 @@ def make_tiny_granitemoe_swa(path: Path, *, seed: int = 0, with_tokenizer: bool 
                "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 32,
                "tie_word_embeddings": False, "architectures": ["GraniteMoeSWAForCausalLM"], **overrides}
     return _save_random(GraniteMoeSWAConfig(**options), path, seed, with_tokenizer)
+
+
+# DeepSeek-V3 MLA + MoE at test size: q LoRA, a dense first layer, 8 experts in 4 groups (2 kept),
+# top-2, one shared expert, YaRN with an mscale_all_dim that changes the softmax scale and an
+# mscale that makes the cos/sin attention factor != 1; v_head_dim differs from qk_nope_head_dim.
+_DEEPSEEK = dict(
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
+    q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+    n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+    moe_intermediate_size=32, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                     "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.7,
+                     "rope_theta": 10000.0},
+    tie_word_embeddings=False,
+)
+# DSA at test size: index_topk far below the prompts, so queries attend to a few of their keys.
+# 32 indexer heads: with 8, a key whose every head has a negative q.k (score exactly 0) was common
+# enough that tied scores at the top-k boundary made the kept keys an implementation's choice.
+_DSA = dict(index_n_heads=32, index_head_dim=16, index_topk=8)
+
+
+def make_tiny_deepseek_v3(path: Path, *, seed: int = 0, with_tokenizer: bool = False, **overrides: Any) -> Path:
+    """DeepSeek-V3 (``_DEEPSEEK``), a random non-zero ``e_score_correction_bias``; ``q_lora_rank=None``
+    gives the plain ``q_proj`` variant."""
+    from transformers import DeepseekV3Config
+
+    options = {**_COMMON, **_DEEPSEEK, "architectures": ["DeepseekV3ForCausalLM"], **overrides}
+    return _save_random(DeepseekV3Config(**options), path, seed, with_tokenizer,
+                        random_buffers=("e_score_correction_bias",))
+
+
+def make_tiny_deepseek_v32(path: Path, *, seed: int = 0, with_tokenizer: bool = False, **overrides: Any) -> Path:
+    """DeepSeek-V3.2: ``make_tiny_deepseek_v3``'s layers, every one sparse with an indexer of 32
+    heads of 16 dims keeping ``index_topk=8`` keys per query."""
+    from transformers import DeepseekV32Config
+
+    options = {**_COMMON, **_DEEPSEEK, **_DSA, "architectures": ["DeepseekV32ForCausalLM"], **overrides}
+    return _save_random(DeepseekV32Config(**options), path, seed, with_tokenizer,
+                        random_buffers=("e_score_correction_bias",))
+
+
+def make_tiny_glm_moe_dsa(path: Path, *, seed: int = 0, with_tokenizer: bool = False, **overrides: Any) -> Path:
+    """GLM-MoE-DSA (GLM-5): the DeepSeek-V3.2 layers of ``make_tiny_deepseek_v32`` with interleaved
+    indexer RoPE, every layer running its own indexer."""
+    from transformers import GlmMoeDsaConfig
+
+    options = {**_COMMON, **_DEEPSEEK, **_DSA, "architectures": ["GlmMoeDsaForCausalLM"], **overrides}
+    return _save_random(GlmMoeDsaConfig(**options), path, seed, with_tokenizer,
+                        random_buffers=("e_score_correction_bias",))
 
 
 def tiny_model_config(path: Path, dtype: torch.dtype = torch.float32,

@@ -190,3 +190,34 @@ class RotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, max_positions={self.max_positions}"
+
+
+class InterleavedRotaryEmbedding(RotaryEmbedding):
+    """RoPE on interleaved pairs ``(x0, x1), (x2, x3), ...`` of the first ``rotary_dim`` dims
+    (DeepSeek's MLA, ``rope_interleave``), returned de-interleaved as ``[even' | odd']``, as
+    transformers' ``apply_rotary_pos_emb_interleave`` returns it (same operations, same rounding).
+    Queries and keys both come out in that order, so their dot products are the interleaved ones.
+    Torch ops on every device (the Triton rotary kernel is rotate_half only).
+    """
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, 1, rotary_dim // 2]
+        rotary = x[..., :self.rotary_dim]
+        x1, x2 = rotary[..., 0::2], rotary[..., 1::2]
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        if self.rotary_dim == self.head_dim:
+            return rotated
+        return torch.cat((rotated, x[..., self.rotary_dim:]), dim=-1)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int64
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos_sin = self.cos_sin_cache[positions].unsqueeze(1)  # [num_tokens, 1, rotary_dim]
+        cos, sin = cos_sin.chunk(2, dim=-1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def forward_with_norms(self, positions, q, k, q_norm, k_norm):
+        return self.forward(positions, q_norm(q), k_norm(k))

@@ -9,6 +9,11 @@ A sharded parameter may also arrive whole (transformers' fused expert layout), w
 shard (into the part its module's ``whole_slice`` names, when it has one). After loading, modules
 may rearrange their weights (``process_weights_after_loading``).
 
+Every parameter takes the model dtype, except those a module names in its class attribute
+``keep_fp32_params`` (a tuple of its own parameter names): they stay float32 whatever the dtype,
+as transformers keeps some (``_keep_in_fp32_modules``: DeepSeek's router weight and correction
+bias). Checkpoint tensors are converted to each parameter's own dtype as they are written.
+
 With ``load_format="dummy"`` the checkpoint is not read at all: the materialised parameters are
 filled with random values in place on the device (``weir.weights.dummy``).
 """
@@ -163,6 +168,7 @@ def load_model(
     with torch.device("meta"):
         model = model_cls(model_config)
     model.to(dtype=model_config.dtype)  # on meta: free, no copy
+    _keep_fp32_params(model)
     mapper = _CheckpointMapper(model, model_cls)
     model.to_empty(device=device)
     _retie(model, mapper.aliases)
@@ -184,6 +190,19 @@ def load_model(
             with torch.no_grad():
                 process()
     return model.eval()
+
+
+def _keep_fp32_params(model: nn.Module) -> None:
+    """Back to float32 for the parameters modules list in ``keep_fp32_params`` (on meta: free)."""
+    for module_name, module in model.named_modules():
+        for attr in getattr(module, "keep_fp32_params", ()):
+            if getattr(module, attr, False) is None:  # an optional parameter left out (a bias turned off)
+                continue
+            param = module._parameters.get(attr)
+            if param is None:
+                raise ValueError(f"{type(module).__name__}.keep_fp32_params names {attr!r}, which is not a "
+                                 f"parameter of {module_name or 'the model'}")
+            module._parameters[attr] = nn.Parameter(param.to(torch.float32), requires_grad=param.requires_grad)
 
 
 def _write_checkpoint(model: nn.Module, model_cls: type, mapper: _CheckpointMapper,

@@ -10,4 +10,5 @@ def weir_attention_backends() -> list[AttentionBackendSpec]:
         AttentionBackendSpec("triton", "weir.plugins.attention.triton_paged:TritonAttentionBackend"),
         AttentionBackendSpec("gdn_torch", "weir.plugins.attention.gdn_torch:TorchGDNBackend"),
         AttentionBackendSpec("gdn_fla", "weir.plugins.attention.gdn_fla:FlaGDNBackend"),
+        AttentionBackendSpec("mla_torch", "weir.plugins.attention.mla_torch:TorchMLABackend"),
     ]

@@ -10,7 +10,8 @@ from weir.hookspecs import ModelSpec, hookimpl
 
 @hookimpl
 def weir_models() -> list[ModelSpec]:
-    """Dense decoders (Llama, Mistral, Qwen3, Granite SWA), hybrid Qwen3-Next and GraniteMoe SWA."""
+    """Dense decoders (Llama, Mistral, Qwen3, Granite SWA), hybrid Qwen3-Next, GraniteMoe SWA, and
+    the MLA models: DeepSeek-V3 (Kimi-K2-style text models too), DeepSeek-V3.2 and GLM-5 (DSA)."""
     return [
         ModelSpec("LlamaForCausalLM", "weir.plugins.models.llama:LlamaForCausalLM"),
         ModelSpec("MistralForCausalLM", "weir.plugins.models.llama:MistralForCausalLM"),
@@ -18,4 +19,7 @@ def weir_models() -> list[ModelSpec]:
         ModelSpec("GraniteMoeSWAForCausalLM", "weir.plugins.models.granite_swa:GraniteMoeSWAForCausalLM"),
         ModelSpec("Qwen3ForCausalLM", "weir.plugins.models.qwen3:Qwen3ForCausalLM"),
         ModelSpec("Qwen3NextForCausalLM", "weir.plugins.models.qwen3_next:Qwen3NextForCausalLM"),
+        ModelSpec("DeepseekV3ForCausalLM", "weir.plugins.models.deepseek_v3:DeepseekV3ForCausalLM"),
+        ModelSpec("DeepseekV32ForCausalLM", "weir.plugins.models.deepseek_v32:DeepseekV32ForCausalLM"),
+        ModelSpec("GlmMoeDsaForCausalLM", "weir.plugins.models.deepseek_v32:GlmMoeDsaForCausalLM"),
     ]

@@ -1,0 +1,119 @@
+"""DeepSeek-V3.2 (``DeepseekV32ForCausalLM``) and GLM-MoE-DSA (``GlmMoeDsaForCausalLM``, GLM-5):
+DeepSeek-V3 with sparse attention (DSA) on every layer. A lightning indexer scores the causal
+keys of each query; the MLA backend keeps the ``index_topk`` best and attends to those only.
+
+The indexer (transformers' ``DeepseekV32Indexer``): ``q = wq_b(q latent)`` per indexer head and one
+key ``k = LayerNorm(wk(x))`` per token (stored in the latent cache after ``[kv_c | k_pe]``), both
+``[rope | nope]`` with RoPE on the first ``qk_rope_head_dim`` dims (rotate_half for V3.2,
+interleaved pairs for GLM-5) from the same cos/sin as MLA; head weights
+``weights_proj(x)`` (float32, in and out) times ``index_n_heads ** -0.5``; the score
+``sum_g w_g relu(q_g . k * index_head_dim ** -0.5)``. relu commutes with the positive scale, so
+``index_head_dim ** -0.5`` is folded into the weights (``weir.mla.IndexerInputs``).
+
+GLM-5's "shared" indexer layers (which reuse the previous layer's top-k) are not supported yet: a
+config with any is refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from weir.config import ModelConfig
+from weir.layers import Linear, RotaryEmbedding
+from weir.mla import IndexerInputs
+from weir.plugins.models.deepseek_v3 import DeepseekV3ForCausalLM, mla_rotary
+
+INDEXER_NORM_EPS = 1e-6  # transformers' indexer k_norm: nn.LayerNorm(index_head_dim, eps=1e-6)
+
+
+class Fp32Linear(Linear):
+    """A linear layer kept float32 (``keep_fp32_params``) that computes in float32."""
+
+    keep_fp32_params = ("weight", "bias")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight, self.bias)  # [..., out_features] fp32
+
+
+class LayerNorm(nn.Module):
+    """``nn.LayerNorm`` with weight and bias, allocated empty."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size))
+        self.bias = nn.Parameter(torch.empty(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class LightningIndexer(nn.Module):
+    """``self_attn.indexer``: the per-token indexer query heads, key and head weights."""
+
+    def __init__(self, hf_config: Any, rotary_emb: RotaryEmbedding):
+        super().__init__()
+        self.num_heads = hf_config.index_n_heads
+        self.head_dim = hf_config.index_head_dim
+        self.index_topk = hf_config.index_topk
+        self.rope_dim = hf_config.qk_rope_head_dim
+        if not 0 < self.rope_dim <= self.head_dim:
+            raise ValueError(f"the indexer ropes the first qk_rope_head_dim={self.rope_dim} dims of its "
+                             f"index_head_dim={self.head_dim}: it needs 0 < qk_rope_head_dim <= index_head_dim")
+        self.wq_b = Linear(hf_config.q_lora_rank, self.num_heads * self.head_dim)
+        self.wk = Linear(hf_config.hidden_size, self.head_dim)
+        self.k_norm = LayerNorm(self.head_dim, INDEXER_NORM_EPS)
+        self.weights_proj = Fp32Linear(hf_config.hidden_size, self.num_heads)
+        self.weights_scale = self.num_heads ** -0.5 * self.head_dim ** -0.5
+        self.rotary_emb = rotary_emb
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, q_latent: torch.Tensor) -> IndexerInputs:
+        num_tokens = hidden_states.shape[0]
+        q = self.wq_b(q_latent).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_norm(self.wk(hidden_states)).unsqueeze(1)  # [num_tokens, 1, head_dim]
+        q_rope, k_rope = self.rotary_emb(positions, q[..., : self.rope_dim], k[..., : self.rope_dim])
+        q = torch.cat([q_rope, q[..., self.rope_dim:]], dim=-1)  # [num_tokens, heads, head_dim]
+        k = torch.cat([k_rope, k[..., self.rope_dim:]], dim=-1).squeeze(1)  # [num_tokens, head_dim]
+        weights = self.weights_proj(hidden_states) * self.weights_scale  # [num_tokens, heads] fp32
+        return IndexerInputs(q=q, k=k, weights=weights)
+
+
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V3.2: every MLA layer sparse, its indexer's RoPE rotate_half (non-interleaved)."""
+
+    indexer_rope_interleaved = False
+
+    def __init__(self, config: ModelConfig):
+        hf_config = config.hf_config
+        if not getattr(hf_config, "q_lora_rank", None):
+            raise ValueError(f"{type(self).__name__} needs q_lora_rank: the indexer reads the q latent")
+        topk = hf_config.index_topk
+        if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+            raise ValueError(f"index_topk must be a positive integer, got {topk!r}")
+        self._indexer_rotary: RotaryEmbedding | None = None
+        super().__init__(config)
+
+    def make_indexer(self, hf_config: Any, layer_idx: int, max_positions: int) -> LightningIndexer:
+        if self._indexer_rotary is None:  # one cos/sin cache for every layer's indexer
+            self._indexer_rotary = mla_rotary(hf_config, max_positions, self.indexer_rope_interleaved)
+        return LightningIndexer(hf_config, self._indexer_rotary)
+
+
+class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):
+    """GLM-5: DeepSeek-V3.2's layers with interleaved indexer RoPE. Only configs whose every
+    layer runs its own indexer (``indexer_types`` all "full") are served."""
+
+    indexer_rope_interleaved = True
+
+    def __init__(self, config: ModelConfig):
+        indexer_types = list(getattr(config.hf_config, "indexer_types", None) or [])
+        shared = [index for index, kind in enumerate(indexer_types) if kind != "full"]
+        if shared:
+            raise ValueError(f"{type(self).__name__}: layers {shared} reuse another layer's top-k "
+                             f"(indexer_types 'shared'), which Weir does not support yet; only configs whose "
+                             f"indexer_types are all 'full' are served")
+        super().__init__(config)
