@@ -23,6 +23,7 @@ the step's copies name only held state slots. Nothing is held once every request
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -199,8 +200,9 @@ class KVCacheManager:
         """Whether block ``index`` of a windowed group is in the window of a retained boundary."""
         if self.retention_interval is None:
             return True
-        return any(self._first_needed_block(group, boundary) <= index < boundary // self.block_size
-                   for boundary in held.retained)
+        # The first boundary after the block: the window of any later one starts no earlier.
+        after = bisect_left(held.retained, (index + 1) * self.block_size)
+        return after < len(held.retained) and self._first_needed_block(group, held.retained[after]) <= index
 
     def count_admission(self, request: Request, num_hit_tokens: int) -> None:
         """Prefix-cache statistics, once per admission: a request waiting for blocks is looked

@@ -21,6 +21,7 @@ request's own state slot before the step's forward, so nothing pins it past the 
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -142,8 +143,11 @@ class StateCheckpoints:
     def chunk_end(self, hashes: list[bytes], retained: tuple[int, ...], start: int, num_new: int) -> int:
         """``num_new``, cut so that the chunk ends at the first retained boundary after ``start``
         whose state is not kept yet."""
-        for boundary in retained:
-            if start < boundary < start + num_new and not self.kept(hashes, boundary):
+        for index in range(bisect_right(retained, start), len(retained)):  # decode steps: nothing after start
+            boundary = retained[index]
+            if boundary >= start + num_new:
+                break
+            if not self.kept(hashes, boundary):
                 return boundary - start
         return num_new
 
@@ -160,7 +164,8 @@ class StateCheckpoints:
             self.pool.touch(slot)
             self.step.loads.append((slot, state_slot))
         boundary = num_tokens_after_step
-        if boundary % self.block_size == 0 and boundary in retained and not self.kept(hashes, boundary):
+        if (boundary % self.block_size == 0 and retained and boundary <= retained[-1] and boundary in retained
+                and not self.kept(hashes, boundary)):
             slot = self.pool.reserve(hashes[boundary // self.block_size - 1])
             if slot is not None:  # None: this step's saves took every slot; this one is skipped
                 self.step.saves.append((state_slot, slot))
