@@ -1,8 +1,8 @@
 """Hybrid prefix caching on CUDA in bf16 through fla's chunk prefill and Weir's decode kernels,
-eager and with CUDA graphs: requests sharing prefixes hit the lengths the CPU tests assert, their
-prefill logits stay within bf16 tolerance of a cache-off run, they follow transformers' fp32
-greedy tokens about as well as the cache-off run does; and the state copies are exact and never
-sync. Runs on the GPU machine (marked gpu)."""
+eager and with CUDA graphs: requests sharing prefixes hit the lengths the CPU tests assert; their
+prefill logits are as close to transformers' fp32 ones as a cache-off run's, and their greedy
+tokens follow transformers' about as long; the state copies are exact and never sync. Runs on
+the GPU machine (marked gpu)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,11 @@ def sequence() -> list[tuple[list[int], int]]:
             (base[:64] + tokens(30), 64), (base[:70] + tokens(9), 64), (base + tokens(70), 144), (base, 144)]
 
 
+def relative_error(ours: torch.Tensor, truth: torch.Tensor) -> float:
+    truth = truth.to(ours.device)
+    return ((ours.float() - truth).abs().max() / truth.abs().max()).item()
+
+
 def identical_prefix(tokens: list[int], reference: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
 
@@ -70,10 +75,11 @@ def test_hits_stay_within_bf16_tolerance_of_a_cache_off_run(checkpoint, eager):
                for name, runs in (("on", on), ("off", off))}
     print(f"greedy tokens identical to transformers fp32 ({'eager' if eager else 'graphs'}): {matched}")
     assert matched["on"] >= 0.8 * matched["off"]
-    if eager:
-        for ours, theirs in zip(on_logits, off_logits):
-            error = ((ours - theirs).abs().max() / theirs.abs().max()).item()
-            assert error <= 2e-2, f"prefill logits with a hit differ from the cache-off run by {error:.1e}"
+    if eager:  # each prompt's first logits, against transformers in fp32: as close as without hits
+        errors = {name: [relative_error(ours, reference[0]) for ours, (_, reference) in zip(logits, truth)]
+                  for name, logits in (("on", on_logits), ("off", off_logits))}
+        print("prefill logits error", {name: [f"{e:.1e}" for e in values] for name, values in errors.items()})
+        assert max(errors["on"]) <= max(3 * max(errors["off"]), 2e-2)
 
 
 def test_checkpoint_copies_are_exact_and_never_sync():

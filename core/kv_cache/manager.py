@@ -243,7 +243,7 @@ class KVCacheManager:
         if not has_hits and not needs_state_slot and all(len(ids) >= num_blocks_needed for ids in held.block_ids):
             # Decode's common case: every last block has room; at most a newly full block to cache.
             self._cache_full_blocks(request, held, num_tokens_after_step)
-            if self.checkpoints is not None:
+            if self.checkpoints is not None and num_tokens_after_step % self.block_size == 0:  # a prefill chunk's end
                 self.checkpoints.plan(request.update_block_hashes(self.block_size), request.state_slot,
                                       held.retained, 0, num_tokens_after_step)
             return tuple([] for _ in self.groups)
