@@ -85,6 +85,8 @@ class CacheConfig:
     gpu_memory_utilization: float
     # recurrent states of linear-attention layers
     linear_state_dtype: torch.dtype = field(default_factory=_float32)
+    # which prefix-cache entries windowed groups and linear-attention checkpoints keep (weir.kv_cache.retention)
+    prefix_cache_retention_interval: int = 0
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,11 @@ class EngineArgs:
         "tokens in one step at most (default: 8192 on CPU, 16384 otherwise)"))
     block_size: int = field(default=16, metadata=_help("tokens per KV cache block"))
     enable_prefix_caching: bool = field(default=True, metadata=_help("reuse KV of shared prompt prefixes"))
+    prefix_cache_retention_interval: int = field(default=0, metadata=_help(
+        "where the prefix cache keeps what sliding-window and linear-attention layers need to resume (window "
+        "blocks, state checkpoints), in tokens, a multiple of block_size: 0 (as vLLM) keeps each prompt's last "
+        "block boundary and the points where prompts sharing a prefix diverge; N: every N tokens of a prompt and "
+        "its last block boundary (block_size: every block)"))
     kv_cache_memory_bytes: int | None = field(default=None, metadata=_help(
         "KV cache size in bytes (default: from free memory)"))
     gpu_memory_utilization: float = field(default=0.9, metadata=_help(
@@ -234,7 +241,7 @@ class EngineArgs:
             model=model_cfg,
             cache=CacheConfig(self.block_size, self.enable_prefix_caching,
                               self.kv_cache_memory_bytes, self.gpu_memory_utilization,
-                              torch_dtype(self.linear_state_dtype)),
+                              torch_dtype(self.linear_state_dtype), self.prefix_cache_retention_interval),
             scheduler=SchedulerConfig(max_num_seqs, max_batched, max_model_len,
                                       self.async_scheduling),
             parallel=ParallelConfig(self.tensor_parallel_size),
@@ -266,6 +273,10 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        interval = self.prefix_cache_retention_interval
+        if interval < 0 or interval % self.block_size:
+            raise ValueError(f"prefix_cache_retention_interval must be 0 or a positive multiple of block_size "
+                             f"({self.block_size}), got {interval}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in _DTYPES and self.dtype != "auto":

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from weir.config import EngineArgs, EngineConfig
 from weir.detokenizer import IncrementalDetokenizer, decode_token
 from weir.kv_cache import KVCacheManager
+from weir.kv_cache.retention import describe_retention
 from weir.no_tokenizer import TokenIdsOnly, has_tokenizer, tokenizer_required_message
 from weir.outputs import CompletionOutput, Logprob, RequestOutput
 from weir.request import Request, RequestStatus
@@ -83,20 +84,41 @@ class LLMEngine:
             tokenizer = start_loading_tokenizer(config.model, pool)
             self.runner = ModelRunner(config, platform, model_cls, choose_attention_backends, choose_moe_backend)
             self.tokenizer = tokenizer.result()
-        prefix_caching = config.cache.enable_prefix_caching
-        if prefix_caching and self.runner.caches.state_layers:
-            # A recurrent state cannot be rebuilt from cached KV blocks: a prefix hit would skip
-            # the tokens the state needs. Until states are checkpointed per block, no hits.
-            logger.info("prefix caching is off: %s has linear-attention layers", config.model.architecture)
-            prefix_caching = False
+        prefix_caching = self._prefix_caching_switch()
         kv_cache = KVCacheManager(config.cache.block_size, self.runner.kv_group_configs(), prefix_caching,
-                                  num_state_slots=self.runner.num_state_slots)
+                                  num_state_slots=self.runner.num_state_slots,
+                                  num_checkpoint_slots=self.runner.num_checkpoint_slots if prefix_caching else 0,
+                                  retention_interval=config.cache.prefix_cache_retention_interval)
         self.scheduler = Scheduler(config.scheduler, kv_cache)
         self._rng = random.Random(config.seed)
         self._busy = False  # whether the last step left work behind (see step: the idle check)
         self._in_flight: deque = deque()
         self._parents: dict[str, _Parent] = {}
         self._child_of: dict[str, tuple[_Parent, _Child]] = {}
+
+    def _prefix_caching_switch(self) -> bool:
+        """Whether prefix caching is on, said in the start-up log with the retention rule where
+        it matters (windowed groups, linear-attention state checkpoints)."""
+        config, runner = self.config, self.runner
+        if not config.cache.enable_prefix_caching:
+            logger.info("prefix caching: off")
+            return False
+        retention = describe_retention(config.cache.prefix_cache_retention_interval)
+        if runner.caches.state_layers:
+            if runner.num_checkpoint_slots == 0:
+                # A recurrent state cannot be rebuilt from cached KV blocks: without checkpoints no hit can resume.
+                logger.warning("prefix caching: off for %s: the KV cache budget leaves no room for one "
+                               "linear-attention state checkpoint (%.1f MiB); raise kv_cache_memory_bytes or "
+                               "gpu_memory_utilization", config.model.architecture,
+                               runner.linear_state.bytes_per_slot / 2**20)
+                return False
+            logger.info("prefix caching: on for %s (hybrid): its linear-attention layers resume from state "
+                        "checkpoints (%d slots); %s", config.model.architecture, runner.num_checkpoint_slots, retention)
+        elif any(group.sliding_window is not None for group in runner.caches.groups):
+            logger.info("prefix caching: on; windowed groups keep cached window blocks by the %s", retention)
+        else:
+            logger.info("prefix caching: on")
+        return True
 
     @classmethod
     def from_options(cls, model: str | None = None, **options) -> "LLMEngine":

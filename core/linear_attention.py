@@ -13,13 +13,20 @@ The extra last slot (index ``num_slots``) absorbs the writes of CUDA-graph paddi
 A slot is zeroed by the runner when a request is admitted into it, so a backend always reads the
 slot as the request's initial state (zeros before its first token) and writes the state after
 the step back into it. Chunked prefill therefore carries state across chunks for free.
+
+Prefix caching keeps *checkpoints* of these states (``weir.kv_cache.state_checkpoints``): a
+second set of the layer's state tensors, made by the same ``allocate_state`` (so its layout is the
+backend's own), into which the runner copies a request's slot after a step, and from which it
+copies a checkpoint into an admitted request's slot instead of zeroing it. The copies go through
+``copy_state_slots``: every tensor attribute of a state object is slot-indexed along dim 0 (as
+``LayerState``'s are), or its class defines ``copy_slots(slots, target, target_slots)``.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -87,6 +94,21 @@ class LayerState:
         """Reset the given slots (int64 device indices) for newly admitted requests."""
         self.conv_state.index_fill_(0, slots, 0)
         self.recurrent_state.index_fill_(0, slots, 0)
+
+
+def copy_state_slots(source: Any, slots: torch.Tensor, target: Any, target_slots: torch.Tensor) -> None:
+    """``target[target_slots] = source[slots]`` for one layer's state objects (int64 device
+    indices of equal length, distinct targets), on the device with no host sync: the class's own
+    ``copy_slots`` if it has one, else every tensor attribute along dim 0."""
+    if hasattr(source, "copy_slots"):
+        source.copy_slots(slots, target, target_slots)
+        return
+    tensors = {name: value for name, value in vars(source).items() if isinstance(value, torch.Tensor)}
+    if not tensors:
+        raise TypeError(f"{type(source).__name__} holds no tensors to copy between state slots; give it a "
+                        f"copy_slots(slots, target, target_slots) method (weir.linear_attention)")
+    for name, tensor in tensors.items():
+        getattr(target, name).index_copy_(0, target_slots, tensor.index_select(0, slots))
 
 
 class LinearAttentionBackend(LayerBackend, ABC):

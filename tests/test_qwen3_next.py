@@ -1,7 +1,8 @@
 """Qwen3-Next against transformers, fp32 on the CPU (``weir.testing.transformers_greedy`` runs
 transformers with fla blocked, so its torch Gated DeltaNet is the reference): logits and 32 greedy tokens for 8
 prompts of different lengths, through chunked prefill (state carried across chunks), preemption,
-too few state slots, and both scheduling modes; plus the checkpoint layouts the loader must take
+too few state slots, and both scheduling modes (prefix caching on, as by default, though these
+prompts share nothing); plus the checkpoint layouts the loader must take
 and the errors for broken ones."""
 
 from __future__ import annotations
@@ -112,16 +113,18 @@ def test_shared_expert_fused_or_not_matches_transformers(checkpoint, references,
         assert ((logits - expected_logits).abs().max() / expected_logits.abs().max()).item() < 1e-4
 
 
-def test_prefix_caching_is_off_and_says_so(checkpoint, references, caplog):
+def test_prefix_caching_is_on_and_says_so(checkpoint, references, caplog):
+    """The same long prompt twice, one after the other: the second resumes its DeltaNet layers
+    from the first's state checkpoint at its last block boundary (more in test_hybrid_prefix_cache)."""
     path = checkpoint
     prompts, expected = references
     with caplog.at_level(logging.INFO, logger="weir.engine"):
         llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, enable_prefix_caching=True)
-    assert "prefix caching is off" in caplog.text
+    assert "prefix caching: on for Qwen3NextForCausalLM (hybrid)" in caplog.text
+    assert "retention interval 0" in caplog.text
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    # The same long prompt twice: a hit would skip tokens the recurrent state needs.
-    outputs = llm.generate([{"prompt_token_ids": prompts[-1]}] * 2, params, use_tqdm=False)
-    assert llm.engine.scheduler.kv_cache.num_prefix_hits == 0
+    outputs = [llm.generate([{"prompt_token_ids": prompts[-1]}], params, use_tqdm=False)[0] for _ in range(2)]
+    assert [o.num_cached_tokens for o in outputs] == [0, 68]  # 70 tokens: the boundary before the last is 68
     assert [o.outputs[0].token_ids for o in outputs] == [expected[-1][0]] * 2
 
 

@@ -44,6 +44,12 @@ class FakeKVCache:
     def block_ids(self, request):
         return ([],)
 
+    def end_chunk_at_checkpoint(self, request, start, num_new):
+        return num_new  # no linear-attention state to checkpoint
+
+    def take_state_copies(self):
+        return None
+
 
 def make_scheduler(budget: int = 16, max_num_seqs: int = 4, capacity: int = 10_000,
                    async_scheduling: bool = False) -> tuple[Scheduler, FakeKVCache]:

@@ -6,7 +6,9 @@ Every block is in exactly one of three states (the invariant ``check_invariants`
   prefix hit, or evicted (least recently freed first) when free blocks run out;
 - free: ``ref_count == 0`` and no hash.
 Cached and free blocks both sit in ``free_queue``, ordered by when they were freed, so
-allocation evicts the coldest cached block first. Block 0 is the null block: never handed out,
+allocation evicts the coldest cached block first. A block that no holder retains (a windowed
+group's block outside every retained boundary's window, ``weir.kv_cache.retention``) loses its
+hash when freed and goes to the front of the queue: it is reused before any cached block. Block 0 is the null block: never handed out,
 it absorbs the KV writes of padding tokens.
 """
 
@@ -38,6 +40,8 @@ class BlockPool:
         self.cached_block_of_hash: dict[bytes, int] = {}
         # block_id -> None, least recently freed first; excludes the null block
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        # Whether a holder that freed the block, since it was last free, wants its entry kept.
+        self.retained_by_a_holder = [False] * num_blocks
         self.num_hits = 0
         self.num_queries = 0
 
@@ -74,14 +78,23 @@ class BlockPool:
             block_ids.append(block_id)
         return block_ids
 
-    def free(self, block_ids: Sequence[int]) -> None:
+    def free(self, block_ids: Sequence[int], retained: Sequence[bool] | None = None) -> None:
         """Drop one reference from each block; the tail of a request is freed first so that it is
-        evicted first (its prefix is the part most likely to be shared)."""
-        for block_id in reversed(block_ids):
+        evicted first (its prefix is the part most likely to be shared). ``retained[i]`` False:
+        this holder has no use for block i's cached entry; once its last holder frees it and none
+        of them retained it, the block loses its hash and is reused first."""
+        for index in reversed(range(len(block_ids))):
+            block_id = block_ids[index]
+            if retained is None or retained[index]:
+                self.retained_by_a_holder[block_id] = True
             self.ref_counts[block_id] -= 1
             assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
             if self.ref_counts[block_id] == 0:
                 self.free_queue[block_id] = None
+                if not self.retained_by_a_holder[block_id]:
+                    self._evict(block_id)
+                    self.free_queue.move_to_end(block_id, last=False)
+                self.retained_by_a_holder[block_id] = False
 
     def cache_full_block(self, block_id: int, block_hash: bytes) -> None:
         if not self.enable_prefix_caching or self.block_hash[block_id] is not None:
@@ -108,7 +121,7 @@ class BlockPool:
         cached = sum(1 for b in self.free_queue if self.block_hash[b] is not None)
         free = queued - cached
         assert free + cached + in_use == self.num_usable_blocks, (free, cached, in_use)
-        assert all(self.ref_counts[b] == 0 for b in self.free_queue)
+        assert all(self.ref_counts[b] == 0 and not self.retained_by_a_holder[b] for b in self.free_queue)
         assert self.ref_counts[NULL_BLOCK_ID] == 0 and NULL_BLOCK_ID not in self.free_queue
         for block_hash, block_id in self.cached_block_of_hash.items():
             assert self.block_hash[block_id] == block_hash

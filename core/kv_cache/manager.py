@@ -1,5 +1,6 @@
 """Maps requests onto the blocks of every paged cache group (prefix-cache lookups, allocation,
-window freeing, freeing) and, for hybrid models, onto linear-attention state slots.
+window freeing, freeing) and, for hybrid models, onto linear-attention state slots and the
+prefix cache's state checkpoints.
 
 Each paged cache group (``weir.layer_cache``) has its own ``BlockPool`` and gives each request its
 own list of block ids, indexed by ``position // block_size``. A windowed group frees a block as
@@ -7,20 +8,29 @@ soon as it lies wholly before the window of the request's next query, and puts t
 its place, so a request decoding far past the window holds at most ``ceil(W / block_size) + 1``
 blocks there. Every group hashes its full blocks with the same chained hashes, so a prefix hit
 of L tokens needs, in each group, the blocks that group's next query reads: all of them for a
-full group, the window's last blocks for a windowed one.
+full group, the window's last blocks for a windowed one; and, for a hybrid model, a state
+checkpoint at exactly L (``weir.kv_cache.state_checkpoints``), which is copied into the request's
+state slot before its first step. Which boundaries keep a checkpoint, and which window blocks stay
+cached, is the retention rule (``weir.kv_cache.retention``): to save the state at a boundary inside
+a prompt, a chunk ends there (``end_chunk_at_checkpoint``) and the runner copies the request's slot
+into a checkpoint slot after that step's forward (``take_state_copies`` says which).
 
 Invariants (``check_invariants``): in every group, free + cached + in use == usable blocks, and
 each block's reference count is the number of requests holding it; every state slot is free or
-held by one request. Nothing is held once every request has ended.
+held by one request; every checkpoint slot is free, cached or reserved by this step's saves, and
+the step's copies name only held state slots. Nothing is held once every request has ended.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from weir.kv_cache.block_pool import NULL_BLOCK_ID, BlockPool
+from weir.kv_cache.retention import retained_boundaries
+from weir.kv_cache.state_checkpoints import StateCheckpoints, StateCopies
 from weir.kv_cache.state_slots import StateSlotPool
 
 if TYPE_CHECKING:  # the request module imports the block pool's hashing
@@ -44,20 +54,39 @@ class _RequestBlocks:
     num_cached_blocks: list[int]
     # Per windowed group, the first index that may still hold a live block.
     first_live: list[int] = field(default_factory=list)
+    # Token counts whose prefix stays reusable (weir.kv_cache.retention), fixed at admission.
+    retained: tuple[int, ...] = ()
 
 
 class KVCacheManager:
     def __init__(self, block_size: int, groups: list[GroupConfig], enable_prefix_caching: bool,
-                 num_state_slots: int = 0):
+                 num_state_slots: int = 0, num_checkpoint_slots: int = 0, retention_interval: int | None = None):
         """``num_state_slots`` > 0: the model has linear-attention layers, and every running
-        request also holds one state slot (taken at admission, given back when it stops running)."""
+        request also holds one state slot (taken at admission, given back when it stops running);
+        with prefix caching such a model needs ``num_checkpoint_slots`` >= 1. ``retention_interval``:
+        the retention rule (``weir.kv_cache.retention``; None: every boundary)."""
         if not groups:
             raise ValueError("a KV cache needs at least one paged cache group")
+        if retention_interval is not None and (retention_interval < 0 or retention_interval % block_size):
+            raise ValueError(f"the prefix-cache retention interval must be 0 or a positive multiple of the block "
+                             f"size {block_size}, got {retention_interval}")
         self.block_size = block_size
         self.groups = list(groups)
         self.pools = [BlockPool(group.num_blocks, enable_prefix_caching) for group in groups]
         self.enable_prefix_caching = enable_prefix_caching
         self.state_slots = StateSlotPool(num_state_slots) if num_state_slots > 0 else None
+        self.checkpoints: StateCheckpoints | None = None
+        if self.state_slots is not None and enable_prefix_caching:
+            if num_checkpoint_slots < 1:
+                raise ValueError("prefix caching for a model with linear-attention layers needs at least one state "
+                                 "checkpoint slot: a hit cannot resume those layers from KV blocks")
+            self.checkpoints = StateCheckpoints(num_checkpoint_slots, block_size)
+        self.retention_interval = retention_interval
+        # Whether anything depends on the retention rule: state checkpoints or window blocks.
+        self._uses_retention = enable_prefix_caching and (
+            self.checkpoints is not None or any(group.sliding_window is not None for group in groups))
+        # Retained boundaries of requests looked up but not admitted yet (their junction is known).
+        self._admission_boundaries: dict[str, tuple[int, ...]] = {}
         self._requests: dict[str, _RequestBlocks] = {}
         self.num_prefix_queries = 0  # prompt tokens looked up, once per admission
         self.num_prefix_hits = 0  # of those, tokens the prefix cache served
@@ -101,11 +130,12 @@ class KVCacheManager:
         hashes = request.update_block_hashes(self.block_size)
         num_blocks = (request.num_tokens - 1) // self.block_size
         cached = [[pool.lookup(block_hash) for block_hash in hashes[:num_blocks]] for pool in self.pools]
+        self._plan_retention(request, cached)
         for group, group_cached in zip(self.groups, cached):
             if group.sliding_window is None:  # a full group hits on an unbroken prefix only
                 num_blocks = next((i for i, block_id in enumerate(group_cached) if block_id is None), num_blocks)
-        while num_blocks > 0 and not all(self._window_cached(group, group_cached, num_blocks)
-                                         for group, group_cached in zip(self.groups, cached)):
+        while num_blocks > 0 and not (self._state_resumable(hashes, num_blocks) and all(
+                self._window_cached(group, group_cached, num_blocks) for group, group_cached in zip(self.groups, cached))):
             num_blocks -= 1
         if num_blocks == 0:
             return no_hit
@@ -127,6 +157,55 @@ class KVCacheManager:
         first = self._first_needed_block(group, num_blocks * self.block_size)
         return all(block_id is not None for block_id in group_cached[first:num_blocks])
 
+    def _state_resumable(self, hashes: list[bytes], num_blocks: int) -> bool:
+        """Whether the linear-attention layers (if any) can resume after ``num_blocks`` blocks."""
+        return self.checkpoints is None or self.checkpoints.resumable(hashes, num_blocks)
+
+    def _plan_retention(self, request: Request, cached: list[list[int | None]]) -> None:
+        """Fix the request's retained boundaries while its junction is known: the end of the
+        longest prefix whose last block some group still caches (the hashes chain, so that whole
+        prefix was seen before)."""
+        if not self._uses_retention:
+            return
+        junction = 0
+        if self.retention_interval == 0:
+            junction = next((num_blocks for num_blocks in range(len(cached[0]), 0, -1)
+                             if any(group_cached[num_blocks - 1] is not None for group_cached in cached)), 0)
+        self._admission_boundaries[request.request_id] = retained_boundaries(
+            request.num_tokens, self.block_size, self.retention_interval, junction * self.block_size)
+
+    def _retained(self, request: Request) -> tuple[int, ...]:
+        held = self._requests.get(request.request_id)
+        if held is not None:
+            return held.retained
+        if not self._uses_retention:
+            return ()
+        boundaries = self._admission_boundaries.get(request.request_id)
+        if boundaries is None:  # never looked up (an admission without get_computed_blocks)
+            boundaries = retained_boundaries(request.num_tokens, self.block_size, self.retention_interval)
+        return boundaries
+
+    def end_chunk_at_checkpoint(self, request: Request, start: int, num_new: int) -> int:
+        """``num_new`` tokens from ``start``, cut so that the chunk ends at the next retained
+        boundary whose state is not kept yet: the state is saved after the step that ends there."""
+        if self.checkpoints is None:
+            return num_new
+        return self.checkpoints.chunk_end(request.update_block_hashes(self.block_size), self._retained(request),
+                                          start, num_new)
+
+    def take_state_copies(self) -> StateCopies | None:
+        """This step's checkpoint loads and saves for the runner (None: none); once taken, the
+        saves count as issued, so later steps may hit them."""
+        return None if self.checkpoints is None else self.checkpoints.take()
+
+    def _window_retained(self, group: GroupConfig, held: _RequestBlocks, index: int) -> bool:
+        """Whether block ``index`` of a windowed group is in the window of a retained boundary."""
+        if self.retention_interval is None:
+            return True
+        # The first boundary after the block: the window of any later one starts no earlier.
+        after = bisect_left(held.retained, (index + 1) * self.block_size)
+        return after < len(held.retained) and self._first_needed_block(group, held.retained[after]) <= index
+
     def count_admission(self, request: Request, num_hit_tokens: int) -> None:
         """Prefix-cache statistics, once per admission: a request waiting for blocks is looked
         up again every step, and counting each lookup inflated queries and hits."""
@@ -137,6 +216,8 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> None:
         for pool in self.pools:
             pool.reset_prefix_cache()
+        if self.checkpoints is not None:
+            self.checkpoints.reset()
 
     # ---- allocation -----------------------------------------------------------------------
 
@@ -149,7 +230,8 @@ class KVCacheManager:
         """
         held = self._requests.get(request.request_id)
         if held is None:
-            held = _RequestBlocks([[] for _ in self.groups], [0] * len(self.groups), [0] * len(self.groups))
+            held = _RequestBlocks([[] for _ in self.groups], [0] * len(self.groups), [0] * len(self.groups),
+                                  self._retained(request))
         needs_state_slot = self.state_slots is not None and request.state_slot is None
         if needs_state_slot and self.state_slots.num_free == 0:
             return None
@@ -163,6 +245,9 @@ class KVCacheManager:
         if not has_hits and not needs_state_slot and all(len(ids) >= num_blocks_needed for ids in held.block_ids):
             # Decode's common case: every last block has room; at most a newly full block to cache.
             self._cache_full_blocks(request, held, num_tokens_after_step)
+            if self.checkpoints is not None and num_tokens_after_step % self.block_size == 0:  # a prefill chunk's end
+                self.checkpoints.plan(request.update_block_hashes(self.block_size), request.state_slot,
+                                      held.retained, 0, num_tokens_after_step)
             return tuple([] for _ in self.groups)
         hits = computed_blocks if has_hits else tuple([] for _ in self.groups)
         num_new_blocks = []
@@ -180,9 +265,13 @@ class KVCacheManager:
             ids.extend(new_blocks)
             appended.append(new_blocks)
         self._requests[request.request_id] = held
+        self._admission_boundaries.pop(request.request_id, None)
         if needs_state_slot:
             request.state_slot = self.state_slots.allocate()
         self._cache_full_blocks(request, held, num_tokens_after_step)
+        if self.checkpoints is not None:
+            self.checkpoints.plan(request.update_block_hashes(self.block_size), request.state_slot, held.retained,
+                                  len(hits[0]) if has_hits else 0, num_tokens_after_step)
         return tuple(appended)
 
     def free_out_of_window(self, request: Request) -> None:
@@ -204,7 +293,7 @@ class KVCacheManager:
             ids = held.block_ids[g]
             for index in range(held.first_live[g], min(first_needed, len(ids))):
                 if ids[index] != NULL_BLOCK_ID:
-                    pool.free([ids[index]])
+                    pool.free([ids[index]], [self._window_retained(group, held, index)])
                     ids[index] = NULL_BLOCK_ID
             held.first_live[g] = max(held.first_live[g], first_needed)
 
@@ -224,10 +313,14 @@ class KVCacheManager:
             held.num_cached_blocks[g] = max(held.num_cached_blocks[g], num_full)
 
     def free(self, request: Request) -> None:
+        self._admission_boundaries.pop(request.request_id, None)
         held = self._requests.pop(request.request_id, None)
         if held is not None:
-            for pool, ids in zip(self.pools, held.block_ids):
-                pool.free([b for b in ids if b != NULL_BLOCK_ID])
+            for group, pool, ids in zip(self.groups, self.pools, held.block_ids):
+                live = [index for index, block_id in enumerate(ids) if block_id != NULL_BLOCK_ID]
+                retained = (None if group.sliding_window is None
+                            else [self._window_retained(group, held, index) for index in live])
+                pool.free([ids[index] for index in live], retained)
         if request.state_slot is not None:
             self.state_slots.free(request.state_slot)
             request.state_slot = None
@@ -257,6 +350,9 @@ class KVCacheManager:
                     f"group {g}: block {block_id} has {pool.ref_counts[block_id]} references, {count} holders")
         if self.state_slots is not None:
             self.state_slots.check_invariants()
+        if self.checkpoints is not None:
+            self.checkpoints.check_invariants(self.state_slots.held, idle)
         if idle:
             assert not self._requests, f"requests still hold blocks: {sorted(self._requests)}"
             assert self.state_slots is None or self.state_slots.num_free == self.state_slots.num_slots
+            assert not self._admission_boundaries, f"lookups of ended requests kept: {sorted(self._admission_boundaries)}"

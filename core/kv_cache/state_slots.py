@@ -24,6 +24,10 @@ class StateSlotPool:
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def held(self) -> frozenset[int]:
+        return frozenset(self._held)
+
     def allocate(self) -> int | None:
         """A free slot, or None when every slot is held."""
         if not self._free:

@@ -8,7 +8,8 @@ Split rule: a group never gets more blocks than it can use. A full-attention gro
 running request at ``max_model_len``; a windowed group only each running request's window, plus
 one step's new tokens. Every group gets the same number of blocks N, or its cap if smaller, with
 the largest N the budget pays for: a windowed group caps early, and what it does not need goes to
-the full-attention groups as more tokens of context.
+the full-attention groups as more tokens of context. A hybrid model with prefix caching also
+pays its linear-attention state checkpoints from the budget (``weir.runner.checkpoint_sizing``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from weir.runner.checkpoint_sizing import split_with_checkpoints
 from weir.runner.cuda_graphs import graph_pool_bytes_estimate
 from weir.runner.memory import profile_peak_bytes
 
@@ -27,6 +29,7 @@ GiB = 2**30
 class KVSizing:
     num_blocks: list[int]  # per group, the null block included
     graph_reserve_bytes: int  # what the budget left for the CUDA graphs' pool
+    num_checkpoints: int = 0  # linear-attention state checkpoints of the prefix cache
 
 
 def useful_blocks(sliding_window: int | None, block_size: int, max_running_reqs: int, max_blocks_per_req: int,
@@ -74,10 +77,20 @@ def size_kv_cache(runner) -> KVSizing:
     bytes_per_block = [runner.caches.bytes_per_block(group) for group in groups]
     caps = [useful_blocks(group.sliding_window, runner.block_size, runner.max_running_reqs, runner.max_blocks_per_req,
                           scheduler.max_num_batched_tokens) for group in groups]
-    num_blocks = split_blocks(max(budget, 0), bytes_per_block, caps)
-    for group, blocks in zip(groups, num_blocks):
-        needed = blocks_one_request_needs(group.sliding_window, runner.block_size, scheduler.max_model_len,
-                                          scheduler.max_num_batched_tokens)
+    needed_blocks = [blocks_one_request_needs(group.sliding_window, runner.block_size, scheduler.max_model_len,
+                                              scheduler.max_num_batched_tokens) for group in groups]
+    checkpoint_bytes = runner.linear_state.bytes_per_slot if (
+        cache.enable_prefix_caching and runner.linear_state is not None) else 0
+    num_checkpoints = 0
+    if checkpoint_bytes:
+        # Every group gets the same count or its cap: what the neediest group needs, for all of them.
+        most_needed = max(needed_blocks) + 1
+        min_paged = sum(min(most_needed, cap) * per_block for cap, per_block in zip(caps, bytes_per_block))
+        num_blocks, num_checkpoints = split_with_checkpoints(
+            max(budget, 0), checkpoint_bytes, min_paged, lambda paged: split_blocks(paged, bytes_per_block, caps))
+    else:
+        num_blocks = split_blocks(max(budget, 0), bytes_per_block, caps)
+    for group, blocks, needed in zip(groups, num_blocks, needed_blocks):
         if blocks - 1 < needed:
             raise ValueError(
                 f"the KV cache budget ({budget / GiB:.2f} GiB) gives the cache group of {group.describe()} "
@@ -90,7 +103,7 @@ def size_kv_cache(runner) -> KVSizing:
                 "; ".join(f"{group.describe()}: {blocks - 1} blocks of {runner.block_size} tokens = "
                           f"{(blocks - 1) * runner.block_size} tokens"
                           for group, blocks in zip(groups, num_blocks)))
-    return KVSizing(num_blocks, graph_reserve)
+    return KVSizing(num_blocks, graph_reserve, num_checkpoints)
 
 
 def _budget_bytes(runner) -> tuple[int, int]:

@@ -166,6 +166,9 @@ class ModelRunner:
         sizing = size_kv_cache(self)
         self.graph_reserve_bytes = sizing.graph_reserve_bytes
         self.caches.allocate_kv_caches(sizing.num_blocks)
+        self.num_checkpoint_slots = sizing.num_checkpoints  # prefix caching of linear-attention state
+        if sizing.num_checkpoints:
+            self.linear_state.allocate_checkpoints(sizing.num_checkpoints)
         return sizing.num_blocks
 
     def kv_group_configs(self) -> list[GroupConfig]:
@@ -202,8 +205,9 @@ class ModelRunner:
             self.table.append_blocks(req_id, block_ids)
         self.table.apply_staged_writes()
         self.sampler.apply_staged_writes()
-        if self.linear_state is not None:
-            self.linear_state.zero_slots([new.state_slot for new in out.new_reqs], self.device, self.pin_memory)
+        if self.linear_state is not None:  # zeros, or the checkpoint a prefix hit resumes from
+            self.linear_state.admit([new.state_slot for new in out.new_reqs], out.state_copies, self.device,
+                                    self.pin_memory)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, graph_mode: str = "auto") -> AsyncOutput | None:
@@ -221,6 +225,8 @@ class ModelRunner:
             if graph_mode == "capture":
                 self.graphs.capture(plan.graph_size, lambda: self._forward(plan))
             logits = self.graphs.replay(plan.graph_size)
+        if self.linear_state is not None:  # states at prefix-cache boundaries, into checkpoints
+            self.linear_state.save_checkpoints(out.state_copies, self.device, self.pin_memory)
         return self._sample(plan, logits[: plan.num_reqs], out)
 
     def _plan(self, out: SchedulerOutput, graph_mode: str) -> StepPlan:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from weir.kv_cache.state_checkpoints import StateCopies
 from weir.sampling_params import SamplingParams
 
 
@@ -44,6 +45,9 @@ class SchedulerOutput:
     # Rows to give back before this step runs.
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
+    # Hybrid models' prefix cache: checkpoints loaded into admitted requests' state slots before
+    # the forward, and states saved into checkpoints after it (None: no copies this step).
+    state_copies: StateCopies | None = None
     # The requests scheduled, by id: results are applied only to these very objects (an id can be
     # reused after an abort while this step is still in flight). Host-side; the runner ignores it.
     scheduled_requests: dict = field(default_factory=dict)

@@ -3,7 +3,9 @@
 Every unfinished request is owed ``num_tokens_with_placeholders - num_computed_tokens``
 tokens; each step hands out ``max_num_batched_tokens`` of them, running requests first, then
 waiting ones in arrival order. Chunked prefill and prefix-cache hits fall out of that one rule.
-When blocks run out the newest running request is preempted by recompute.
+When blocks run out the newest running request is preempted by recompute. For a hybrid model
+with prefix caching, a prefill chunk also ends at each boundary whose linear-attention state the
+prefix cache keeps (``KVCacheManager.end_chunk_at_checkpoint``), so the state can be saved there.
 
 With async scheduling the scheduler plans step N+1 before step N's sampled tokens reach the
 host: a request whose chunk reaches its end gets an output *placeholder*, and stop conditions
@@ -130,6 +132,7 @@ class Scheduler:
                 self.kv_cache.free_out_of_window(request)
                 index += 1
                 continue
+            num_new = self.kv_cache.end_chunk_at_checkpoint(request, request.num_computed_tokens, num_new)
             new_blocks = self.kv_cache.allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = self.running[-1]  # later in the list, so not scheduled yet this step
@@ -151,7 +154,8 @@ class Scheduler:
             if request.num_output_placeholders > 0:
                 break  # its last token is still on the way; resume it once it has arrived
             hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            num_new = self.kv_cache.end_chunk_at_checkpoint(
+                request, num_hit_tokens, min(request.num_tokens - num_hit_tokens, budget))
             if self.kv_cache.allocate_slots(request, num_new, hit_blocks) is None:
                 break
             self.kv_cache.count_admission(request, num_hit_tokens)
@@ -180,7 +184,7 @@ class Scheduler:
             new_reqs=new_reqs, cached_reqs=cached, num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()), sampling_req_ids=sampling,
             min_tokens_req_ids=min_tokens, finished_req_ids=finished - preempted,
-            preempted_req_ids=preempted,
+            preempted_req_ids=preempted, state_copies=self.kv_cache.take_state_copies(),
             scheduled_requests={request_id: self.requests[request_id] for request_id in num_scheduled},
         )
 
