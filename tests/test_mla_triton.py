@@ -128,34 +128,31 @@ def make_mla_case(query_lens, seq_lens, layer: MLALayerSpec, *, block_size: int,
 
 
 def request_rows(case: MLACase, req: int, column_from: int, column_to: int, step_rows: torch.Tensor) -> torch.Tensor:
-    """Columns of request req's every position in float64: cached ones from the cache, this
-    step's from the step inputs ``step_rows`` [T, cols]."""
+    """Columns of request req's every position in float64 (on the case's device): cached ones
+    from the cache through the block table, this step's from the step inputs ``step_rows``."""
     metadata, block_size = case.metadata, case.kv_cache.shape[1]
     begin, end = (int(x) for x in metadata.query_start_loc[req: req + 2])
-    seq_len = int(metadata.seq_lens[req])
-    context_len = seq_len - (end - begin)
-    rows = torch.empty(seq_len, column_to - column_from, dtype=torch.float64)
-    for pos in range(context_len):
-        block = int(metadata.block_tables[req, pos // block_size])
-        rows[pos] = case.kv_cache[block, pos % block_size, column_from:column_to].double().cpu()
-    rows[context_len:] = step_rows[begin:end].double().cpu()
-    return rows
+    context = torch.arange(int(metadata.seq_lens[req]) - (end - begin), device=case.kv_cache.device)
+    blocks = metadata.block_tables[req, context // block_size].long()
+    cached = case.kv_cache[blocks, context % block_size, column_from:column_to]
+    return torch.cat([cached, step_rows[begin:end]]).double()
 
 
 def oracle_indexer_scores(case: MLACase, req: int) -> torch.Tensor:  # [query_len, seq_len] float64, -inf: future
     layer, indexer = case.layer, case.indexer
     begin, end = (int(x) for x in case.metadata.query_start_loc[req: req + 2])
     keys = request_rows(case, req, layer.latent_dim, layer.cache_dim, indexer.k)  # [S, D]
-    logits = torch.einsum("qgd,sd->qgs", indexer.q[begin:end].double().cpu(), keys)
-    scores = (logits.clamp_min(0) * indexer.weights[begin:end].double().cpu().unsqueeze(-1)).sum(1)
-    return scores.masked_fill(~causal_mask(case, req), float("-inf"))
+    logits = torch.einsum("qgd,sd->qgs", indexer.q[begin:end].double(), keys)
+    scores = (logits.clamp_min(0) * indexer.weights[begin:end].double().unsqueeze(-1)).sum(1)
+    return scores.masked_fill(~causal_mask(case, req), float("-inf")).cpu()
 
 
 def causal_mask(case: MLACase, req: int) -> torch.Tensor:  # [query_len, seq_len]
     begin, end = (int(x) for x in case.metadata.query_start_loc[req: req + 2])
     seq_len = int(case.metadata.seq_lens[req])
-    query_pos = torch.arange(seq_len - (end - begin), seq_len).unsqueeze(1)
-    return torch.arange(seq_len).unsqueeze(0) <= query_pos
+    device = case.kv_cache.device
+    query_pos = torch.arange(seq_len - (end - begin), seq_len, device=device).unsqueeze(1)
+    return torch.arange(seq_len, device=device).unsqueeze(0) <= query_pos
 
 
 def oracle_mla(case: MLACase, topk: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
@@ -163,7 +160,7 @@ def oracle_mla(case: MLACase, topk: torch.Tensor | None = None) -> dict[int, tor
     [T, K] each query sees only the listed keys."""
     layer = case.layer
     lora, rope = layer.kv_lora_rank, layer.qk_rope_head_dim
-    w_uk, w_uv = case.w_uk.double().cpu(), case.w_uv.double().cpu()
+    w_uk, w_uv = case.w_uk.double(), case.w_uv.double()
     outputs = {}
     for req in range(case.metadata.num_reqs):
         if req in case.padding_reqs:
@@ -173,17 +170,17 @@ def oracle_mla(case: MLACase, topk: torch.Tensor | None = None) -> dict[int, tor
         k_pe = request_rows(case, req, lora, lora + rope, case.k_pe)  # [S, rope]
         k_nope = torch.einsum("hdl,sl->shd", w_uk, latent)  # [S, H, nope]
         values = torch.einsum("hvl,sl->shv", w_uv, latent)  # [S, H, v]
-        q_nope, q_pe = case.q_nope[begin:end].double().cpu(), case.q_pe[begin:end].double().cpu()
+        q_nope, q_pe = case.q_nope[begin:end].double(), case.q_pe[begin:end].double()
         scores = (torch.einsum("qhd,shd->hqs", q_nope, k_nope) + torch.einsum("qhr,sr->hqs", q_pe, k_pe)) * layer.scale
         visible = causal_mask(case, req)  # [Q, S]
         if topk is not None:
             chosen = torch.zeros_like(visible)
             for query, token in enumerate(range(begin, end)):
-                listed = topk[token].cpu().long()
+                listed = topk[token].long()
                 chosen[query, listed[listed >= 0]] = True
             visible &= chosen
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-        outputs[req] = torch.einsum("hqs,shv->qhv", probs, values)
+        outputs[req] = torch.einsum("hqs,shv->qhv", probs, values).cpu()
     return outputs
 
 
