@@ -152,16 +152,59 @@ def prefill_row(backend, sparse: bool, query_len: int, seq_len: int, block_size:
     return line
 
 
+def compiled_stats(kernel) -> str:
+    """Registers, spills and matrix instructions of the variant compiled last (wgmma: Hopper's)."""
+    compiled = [entry for caches in kernel.device_caches.values() for entry in caches[0].values()]
+    if not compiled:
+        return ""
+    last = compiled[-1]
+    ptx = last.asm.get("ptx", "")
+    matrix = "wgmma" if "wgmma" in ptx else ("mma" if "mma.sync" in ptx else "no-mma")
+    return f"regs={last.n_regs} spills={last.n_spills} {matrix}"
+
+
+def stage_times(backend, sparse: bool, batch: int, context: int, block_size: int) -> str:
+    """Graph-replay microseconds of each launch of one decode forward."""
+    layer = layer_spec(sparse)
+    inputs = make_step(layer, [1] * batch, [context] * batch, block_size)
+    metadata, cache = inputs["metadata"], inputs["kv_cache"]
+    plan = backend.plan(layer, batch, 1, context)
+    q_lat = torch.bmm(inputs["q_nope"].transpose(0, 1), inputs["w_uk"])
+    o_lat = torch.empty_like(q_lat)
+    topk = backend.indexer_topk(layer, inputs.get("indexer"), cache, metadata) if plan.sparse else None
+    stages = {
+        "store": lambda: backend.store(layer, inputs["kv_c"], inputs["k_pe"], inputs.get("indexer"), cache,
+                                       metadata.slot_mapping),
+        "w_uk bmm": lambda: torch.bmm(inputs["q_nope"].transpose(0, 1), inputs["w_uk"]),
+        "attend": lambda: backend.attend(layer, q_lat, inputs["q_pe"], cache, metadata, o_lat, plan, topk),
+        "w_uv bmm": lambda: torch.bmm(o_lat, inputs["w_uv"].transpose(1, 2)).transpose(0, 1),
+    }
+    if plan.sparse:
+        scores = torch.empty((batch, context), dtype=torch.float32, device="cuda")
+        stages["indexer scores"] = lambda: backend.indexer_scores(layer, inputs["indexer"], cache, metadata, scores,
+                                                                  0, batch)
+        stages["top-k"] = lambda: backend.select_topk(layer, scores, topk, metadata, 0, batch)
+    times = "  ".join(f"{name} {graph_us(fn):7.1f}" for name, fn in stages.items())
+    return f"  stages {'sparse' if sparse else 'dense'} B={batch} ctx={context}: {times} us"
+
+
 def sweep(backend, block_size: int) -> None:
-    for sparse, batch, context in ((False, 32, 4096), (False, 1, 16384), (True, 32, 16384)):
-        for block_h, block_n, warps, stages in ((64, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2),
-                                                (16, 64, 4, 2), (64, 16, 4, 3), (64, 32, 8, 3)):
+    from weir.plugins.attention.mla_triton_kernels import mla_attention_kernel
+
+    for sparse, batch, context in ((False, 1, 16384), (True, 1, 16384), (True, 32, 8192), (True, 32, 16384),
+                                   (True, 256, 16384)):
+        print(stage_times(backend, sparse, batch, context, block_size), flush=True)
+    for sparse, batch, context in ((False, 256, 4096), (False, 32, 4096), (True, 256, 16384)):
+        for block_h, block_n, warps, stages in ((64, 64, 8, 3), (64, 64, 8, 4), (64, 128, 8, 2), (64, 32, 8, 3),
+                                                (32, 64, 4, 3)):
             backend.attention_tiles = MLATiles(block_h, block_n, warps, stages)
             label = f"    tiles h={block_h} n={block_n} warps={warps} stages={stages}"
             try:  # some configs need more shared memory or registers than the SM has
-                print(label, decode_row(backend, sparse, batch, context, block_size, False), flush=True)
+                row = decode_row(backend, sparse, batch, context, block_size, False)
+                print(label, row, compiled_stats(mla_attention_kernel), flush=True)
             except Exception as error:  # noqa: BLE001 - a failed config is a result of the sweep
                 print(f"{label}: failed ({type(error).__name__}: {str(error)[:80]})", flush=True)
+            torch.cuda.empty_cache()
         backend.attention_tiles = None
 
 
@@ -170,10 +213,14 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time other attention tile configs")
     parser.add_argument("--quick", action="store_true", help="fewer decode points, no torch at batch 256")
     parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--only-sweep", action="store_true", help="the sweep alone")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}  triton {triton.__version__}  torch {torch.__version__}  "
           f"block_size {args.block_size}  (H={HEADS}, latent {LORA}+{ROPE}, bf16)", flush=True)
     backend = TritonMLABackend(args.block_size, DTYPE, torch.device("cuda"))
+    if args.only_sweep:
+        sweep(backend, args.block_size)
+        return
     contexts = (1024, 4096, 16384) if args.quick else (1024, 2048, 4096, 8192, 16384)
     for batch, context in itertools.product((1, 32, 256), contexts):
         print(decode_row(backend, False, batch, context, args.block_size, not (args.quick and batch == 256)),
