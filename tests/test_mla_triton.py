@@ -244,14 +244,20 @@ def check_backend(backend, case: MLACase) -> torch.Tensor:
     return out
 
 
-def mla_backend(dtype, device, block_size, *, splits=None, topk_block=None, tiles=None):
+def mla_backend(dtype, device, block_size, *, splits=None, topk=None, tiles=None):
+    """``topk``: (block, counting) of the top-k kernel: a score row of at most ``block`` keys stays
+    resident (found by counting or by radix passes), a longer one streams."""
     from weir.plugins.attention.mla_triton import TritonMLABackend
 
     backend = TritonMLABackend(block_size, dtype, torch.device(device))
     backend.forced_num_splits, backend.attention_tiles = splits, tiles
-    if topk_block is not None:
-        backend.topk_block = topk_block
+    if topk is not None:
+        backend.topk_block, backend.topk_counting = topk
     return backend
+
+
+# Top-k kernel variants on rows of up to 63 keys: resident by radix, resident by counting, streamed.
+TOPK_VARIANTS = [(64, False), (64, True), (16, False)]
 
 
 # ---- the kernels against the oracle: interpreted on the CPU, compiled on CUDA -------------------
@@ -303,9 +309,9 @@ SPARSE_BATCHES = {  # index_topk = 8: prefixes below, at and far above it
 def check_sparse_batch_kinds(device: str) -> None:
     """Top-k below and above the prefix; score rows resident in one top-k block and streamed."""
     layer = mla_layer(TINY, TINY_INDEXER)
-    for (query_lens, seq_lens), topk_block in itertools.product(SPARSE_BATCHES.values(), (64, 16)):
+    for (query_lens, seq_lens), topk in itertools.product(SPARSE_BATCHES.values(), TOPK_VARIANTS):
         case = make_mla_case(query_lens, seq_lens, layer, block_size=4, dtype=torch.float32, device=device)
-        check_backend(mla_backend(torch.float32, device, 4, topk_block=topk_block), case)
+        check_backend(mla_backend(torch.float32, device, 4, topk=topk), case)
 
 
 def check_sparse_decode_splits_and_padding(device: str) -> None:
@@ -322,11 +328,10 @@ def check_sparse_ties_and_short_sequences(device: str) -> None:
     ones is a right answer, and exactly that many distinct ones must come back. A batch whose sequences all fit in
     index_topk runs dense."""
     layer = mla_layer(TINY, TINY_INDEXER)
-    for topk_block in (64, 16):
-        for tie_every in (1, 2):
-            case = make_mla_case([3, 1, 4], [30, 21, 12], layer, block_size=4, dtype=torch.float32, device=device,
-                                 tie_every=tie_every)
-            check_backend(mla_backend(torch.float32, device, 4, topk_block=topk_block), case)
+    for topk, tie_every in itertools.product(TOPK_VARIANTS, (1, 2)):
+        case = make_mla_case([3, 1, 4], [30, 21, 12], layer, block_size=4, dtype=torch.float32, device=device,
+                             tie_every=tie_every)
+        check_backend(mla_backend(torch.float32, device, 4, topk=topk), case)
     short = make_mla_case([3, 1, 8], [8, 5, 8], layer, block_size=4, dtype=torch.float32, device=device)
     check_backend(mla_backend(torch.float32, device, 4), short)
 
@@ -425,7 +430,7 @@ def test_forward_refuses_bad_inputs():
 
 
 def test_decode_splits_follow_the_batch_and_the_keys_read():
-    from weir.plugins.attention.mla_triton import MAX_SPLITS
+    from weir.plugins.attention.mla_triton import MAX_SPLITS, TOPK_BLOCK
 
     backend = mla_backend(torch.bfloat16, "cpu", 64)
     backend.num_sms = 132
@@ -438,7 +443,8 @@ def test_decode_splits_follow_the_batch_and_the_keys_read():
     decode_sparse = backend.plan(sparse, 1, 1, 16384)
     assert decode_sparse.sparse and decode_sparse.num_splits == 2048 // 256  # split the 2048 selected keys
     assert not backend.plan(sparse, 1, 1, 2048).sparse  # every key is selected: dense
-    assert backend.plan(sparse, 8, 4, 8192).topk_resident and not backend.plan(sparse, 8, 4, 8193).topk_resident
+    assert backend.plan(sparse, 8, 4, TOPK_BLOCK).topk_resident
+    assert not backend.plan(sparse, 8, 4, TOPK_BLOCK + 1).topk_resident
 
 
 
@@ -453,7 +459,7 @@ def test_warmup_names_one_shape_per_variant():
         assert len([shape for shape in shapes if max(shape[0]) == 1]) >= 3, "decode split classes 1, 4 and 64"
         assert all(s >= q for query_lens, seq_lens in shapes for q, s in zip(query_lens, seq_lens))
     sparse_variants = {backend.plan(sparse, sum(q), max(q), max(s)).variant
-                       for q, s in backend.warmup_shapes(sparse, 256, [256, 1], 16384)}
+                       for q, s in backend.warmup_shapes(sparse, 256, [256, 1], 32768)}
     assert (True, 1, True) in sparse_variants and (True, 1, False) in sparse_variants  # resident and streamed rows
     assert (False, 1, None) in sparse_variants  # short prefills run dense
 
@@ -487,12 +493,13 @@ def test_gpu_deepseek_dense_bf16(batch, block_size):
 
 @cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("topk", [None, (16384, False), (4096, False)], ids=["default", "radix", "streamed"])
 @pytest.mark.parametrize("batch", list(GPU_SPARSE_BATCHES))
-def test_gpu_deepseek_sparse_bf16(batch):
+def test_gpu_deepseek_sparse_bf16(batch, topk):
     query_lens, seq_lens = GPU_SPARSE_BATCHES[batch]
     case = make_mla_case(query_lens, seq_lens, mla_layer(DEEPSEEK, DEEPSEEK_INDEXER), block_size=64,
                          dtype=torch.bfloat16, device="cuda", num_padding_tokens=3)
-    check_backend(mla_backend(torch.bfloat16, "cuda", 64), case)
+    check_backend(mla_backend(torch.bfloat16, "cuda", 64, topk=topk), case)
 
 
 @cuda

@@ -29,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from benchmarks.kernels.timing import graph_us, median_us
 from weir.attention import AttentionMetadata
 from weir.mla import IndexerInputs, MLALayerSpec
-from weir.plugins.attention.mla_triton import MLATiles, TritonMLABackend
+from weir.plugins.attention.mla_triton import TOPK_BLOCK, MLATiles, TritonMLABackend
 
 HEADS, LORA, ROPE, NOPE, V = 128, 512, 64, 128, 128
 INDEX_HEADS, INDEX_DIM, TOPK = 64, 128, 2048
@@ -191,12 +191,14 @@ def stage_times(backend, sparse: bool, batch: int, context: int, block_size: int
 def sweep(backend, block_size: int) -> None:
     from weir.plugins.attention.mla_triton_kernels import mla_attention_kernel
 
-    for sparse, batch, context in ((False, 1, 16384), (True, 1, 16384), (True, 32, 8192), (True, 32, 16384),
-                                   (True, 256, 16384)):
-        print(stage_times(backend, sparse, batch, context, block_size), flush=True)
-    for sparse, batch, context in ((False, 256, 4096), (False, 32, 4096), (True, 256, 16384)):
-        for block_h, block_n, warps, stages in ((64, 64, 8, 3), (64, 64, 8, 4), (64, 128, 8, 2), (64, 32, 8, 3),
-                                                (32, 64, 4, 3)):
+    for batch, context in ((1, 16384), (32, 8192), (32, 16384), (256, 16384)):
+        for block, counting, warps in ((8192, False, 8), (16384, False, 16), (16384, True, 16), (16384, True, 8)):
+            backend.topk_block, backend.topk_counting, backend.topk_warps = block, counting, warps
+            label = f"top-k block={block} {'counting' if counting else 'radix'} warps={warps}"
+            print(label, stage_times(backend, True, batch, context, block_size), flush=True)
+    backend.topk_block, backend.topk_counting, backend.topk_warps = TOPK_BLOCK, False, 8
+    for sparse, batch, context in ((False, 256, 4096), (True, 256, 16384)):
+        for block_h, block_n, warps, stages in ((64, 64, 8, 3), (64, 32, 8, 3)):
             backend.attention_tiles = MLATiles(block_h, block_n, warps, stages)
             label = f"    tiles h={block_h} n={block_n} warps={warps} stages={stages}"
             try:  # some configs need more shared memory or registers than the SM has

@@ -6,10 +6,12 @@ causal prefix: ``score(t, j) = sum_g w(t, g) * relu(q(t, g) . k_j)``, the ``[hea
 dot done once for all heads of the token; fp32 scores go to a ``[rows, max_seq_len]`` buffer.
 
 ``topk_kernel``: one program per query token picks the ``topk`` highest scores of its row
-(``position + 1`` entries) without sorting: a radix select over the scores' bits (4 passes of an
-8-bit histogram over the keys still in the running, each narrowing the k-th largest value by one
-byte) finds the k-th largest score exactly, then one pass writes the positions above it and, in
-position order, as many equal to it as the count still needs. The list comes out in ascending
+(``position + 1`` entries) without sorting. It finds the k-th largest score exactly, on the
+scores' bits mapped to order-preserving int32 keys: a row that fits in registers bisects the
+int32 range (32 counts of the keys at or above a candidate); a longer row streams through a
+radix select (4 passes of an 8-bit histogram over the keys still in the running, each fixing one
+byte of the k-th largest). One pass then writes the positions above it and, in position order,
+as many equal to it as the count still needs. The list comes out in ascending
 key position (good for the attention's page locality), -1 past ``min(topk, position + 1)``.
 """
 
@@ -27,34 +29,37 @@ def indexer_scores_kernel(
     num_reqs, first_token,
     stride_qt, stride_qh, stride_wt, stride_sr, stride_bt, stride_c_block, stride_c_offset,
     KEY_COL: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Scores of row ``program_id(0)`` (token ``first_token + row``) for one tile of its keys.
+    """Scores of row ``program_id(0)`` (token ``first_token + row``) for ``TILES`` key tiles.
 
     q [T, NUM_HEADS, HEAD_DIM], weights [T, NUM_HEADS] fp32; the keys are cache columns
     ``KEY_COL .. KEY_COL + HEAD_DIM``. Entries past the token's position are left unwritten.
     """
     row = tl.program_id(0)
-    key_tile = tl.program_id(1)
     token = first_token + row
     req, position = token_position(query_start_loc_ptr, seq_lens_ptr, token, num_reqs)
-    if key_tile * BLOCK_N > position:
+    first_tile = tl.program_id(1) * TILES
+    end_tile = tl.minimum(first_tile + TILES, tl.cdiv(position + 1, BLOCK_N))
+    if first_tile >= end_tile:
         return
-    keys = key_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    key_mask = keys <= position
-    pages = tl.load(block_tables_ptr + req.to(tl.int64) * stride_bt + keys // BLOCK_SIZE, mask=key_mask, other=0)
-    rows = pages.to(tl.int64) * stride_c_block + (keys % BLOCK_SIZE) * stride_c_offset + KEY_COL  # [N]
     dims = tl.arange(0, HEAD_DIM)
-    k = tl.load(cache_ptr + rows[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)  # [N, D]
     heads = tl.arange(0, HEADS_P)
     head_valid = heads < NUM_HEADS
     token64 = token.to(tl.int64)
     q = tl.load(q_ptr + token64 * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=head_valid[:, None],
-                other=0.0).to(k.dtype)  # [G, D]
+                other=0.0).to(cache_ptr.dtype.element_ty)  # [G, D]
     w = tl.load(weights_ptr + token64 * stride_wt + heads, mask=head_valid, other=0.0)  # [G] fp32
-    logits = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [G, N]
-    scores = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)  # [N]
-    tl.store(scores_ptr + row.to(tl.int64) * stride_sr + keys, scores, mask=key_mask)
+    table_row = block_tables_ptr + req.to(tl.int64) * stride_bt
+    score_row = scores_ptr + row.to(tl.int64) * stride_sr
+    for key_tile in range(first_tile, end_tile):
+        keys = key_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        key_mask = keys <= position
+        pages = tl.load(table_row + keys // BLOCK_SIZE, mask=key_mask, other=0)
+        rows = pages.to(tl.int64) * stride_c_block + (keys % BLOCK_SIZE) * stride_c_offset + KEY_COL  # [N]
+        k = tl.load(cache_ptr + rows[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)  # [N, D]
+        logits = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [G, N]
+        tl.store(score_row + keys, tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0), mask=key_mask)
 
 
 @triton.jit
@@ -107,16 +112,49 @@ def keep_block(out_row, positions, keys, valid, threshold, wanted, kept, equal_s
     return kept + tl.sum(keep, axis=0), equal_seen + tl.sum(equal, axis=0)
 
 
+@triton.jit
+def kth_largest_by_radix(scores_row, num_keys, resident, topk, BLOCK_S: tl.constexpr, SINGLE: tl.constexpr):
+    """``(k-th largest key, how many keys equal to it belong to the top k)``, a byte a pass."""
+    bins = tl.arange(0, 256)
+    prefix = tl.zeros([], tl.int32)
+    wanted = tl.zeros([], tl.int32) + topk  # how many of the keys still in the running to keep
+    for PASS in tl.static_range(4):
+        hist = row_histogram(scores_row, num_keys, prefix, resident, PASS, BLOCK_S, SINGLE)
+        at_or_above = tl.cumsum(hist, axis=0, reverse=True)  # [256] keys with this byte or a higher one
+        chosen = tl.max(tl.where(at_or_above >= wanted, bins, 0), axis=0)  # the k-th largest's byte
+        wanted -= tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
+        if PASS == 0:
+            prefix = chosen - 128
+        else:
+            prefix = (prefix << 8) | chosen
+    return prefix, wanted
+
+
+@triton.jit
+def kth_largest_by_counting(keys, valid, topk):
+    """The same by bisection over the int32 range: the largest t with ``count(keys >= t) >= topk``."""
+    lo = tl.zeros([], tl.int64) - 2 ** 31
+    hi = tl.zeros([], tl.int64) + 2 ** 31 - 1
+    for _ in tl.static_range(32):
+        mid = lo + (hi - lo + 1) // 2
+        enough = tl.sum((valid & (keys >= mid.to(tl.int32))).to(tl.int32), axis=0) >= topk
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    threshold = lo.to(tl.int32)
+    return threshold, topk - tl.sum((valid & (keys > threshold)).to(tl.int32), axis=0)
+
+
 @triton.jit(do_not_specialize=["num_reqs", "first_token", "topk"])
 def topk_kernel(
     scores_ptr, topk_ptr, seq_lens_ptr, query_start_loc_ptr,
     num_reqs, first_token, topk, stride_sr, stride_kt,
-    BLOCK_S: tl.constexpr, SINGLE: tl.constexpr,
+    BLOCK_S: tl.constexpr, SINGLE: tl.constexpr, COUNTING: tl.constexpr,
 ):
     """Row ``program_id(0)``'s top-``topk`` key positions into ``topk[first_token + row]``.
 
     ``SINGLE``: the row fits in one ``BLOCK_S`` block, kept in registers for every pass;
-    otherwise each pass streams the row (from L2: it was just written) in blocks.
+    otherwise each pass streams the row (from L2: it was just written) in blocks. ``COUNTING``
+    (resident rows only): bisect the threshold with 32 counts instead of 4 histograms.
     """
     row = tl.program_id(0)
     token = first_token + row
@@ -134,19 +172,10 @@ def topk_kernel(
     if SINGLE:
         offsets = tl.arange(0, BLOCK_S)
         resident = sortable_key(tl.load(scores_row + offsets, mask=offsets < num_keys, other=0.0))
-    bins = tl.arange(0, 256)
-    prefix = tl.zeros([], tl.int32)
-    wanted = tl.zeros([], tl.int32) + topk  # how many of the keys still in the running to keep
-    for PASS in tl.static_range(4):
-        hist = row_histogram(scores_row, num_keys, prefix, resident, PASS, BLOCK_S, SINGLE)
-        at_or_above = tl.cumsum(hist, axis=0, reverse=True)  # [256] keys with this byte or a higher one
-        chosen = tl.max(tl.where(at_or_above >= wanted, bins, 0), axis=0)  # the k-th largest's byte
-        wanted -= tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
-        if PASS == 0:
-            prefix = chosen - 128
-        else:
-            prefix = (prefix << 8) | chosen
-    threshold = prefix  # the k-th largest key; ``wanted`` of the keys equal to it are kept
+    if SINGLE and COUNTING:
+        threshold, wanted = kth_largest_by_counting(resident, tl.arange(0, BLOCK_S) < num_keys, topk)
+    else:
+        threshold, wanted = kth_largest_by_radix(scores_row, num_keys, resident, topk, BLOCK_S, SINGLE)
 
     kept = tl.zeros([], tl.int32)
     equal_seen = tl.zeros([], tl.int32)
