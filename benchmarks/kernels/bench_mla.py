@@ -102,8 +102,8 @@ def torch_expanded_prefill(inputs, query_len: int, seq_len: int):
     values = (latent @ inputs["w_uv"].reshape(HEADS * V, LORA).T).view(seq_len, HEADS, V)
     keys = torch.cat([k_nope, k_pe[:, None, :].expand(-1, HEADS, -1)], dim=-1)  # [S, H, 192]
     queries = torch.cat([inputs["q_nope"], inputs["q_pe"]], dim=-1)  # [Q, H, 192]
-    mask = None if query_len == seq_len else (
-        torch.arange(seq_len, device="cuda")[None, :] <= torch.arange(seq_len - query_len, seq_len, device="cuda")[:, None])
+    query_positions = torch.arange(seq_len - query_len, seq_len, device="cuda")[:, None]
+    mask = None if query_len == seq_len else torch.arange(seq_len, device="cuda")[None, :] <= query_positions
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
         return torch.nn.functional.scaled_dot_product_attention(
             queries.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
