@@ -1,0 +1,190 @@
+"""Triton kernels of DSA's lightning indexer: per-query scores over the cached indexer keys, and
+the top-k selection of the keys each query attends to.
+
+``indexer_scores_kernel``: one program per (query token, tile of ``BLOCK_N`` keys) of the token's
+causal prefix: ``score(t, j) = sum_g w(t, g) * relu(q(t, g) . k_j)``, the ``[heads, BLOCK_N]``
+dot done once for all heads of the token; fp32 scores go to a ``[rows, max_seq_len]`` buffer.
+
+``topk_kernel``: one program per query token picks the ``topk`` highest scores of its row
+(``position + 1`` entries) without sorting. It finds the k-th largest score exactly, on the
+scores' bits mapped to order-preserving int32 keys: a row that fits in registers bisects the
+int32 range (32 counts of the keys at or above a candidate); a longer row streams through a
+radix select (4 passes of an 8-bit histogram over the keys still in the running, each fixing one
+byte of the k-th largest). One pass then writes the positions above it and, in position order,
+as many equal to it as the count still needs. The list comes out in ascending
+key position (good for the attention's page locality), -1 past ``min(topk, position + 1)``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from weir.plugins.attention.mla_triton_kernels import token_position
+
+
+@triton.jit(do_not_specialize=["num_reqs", "first_token", "stride_bt"])
+def indexer_scores_kernel(
+    q_ptr, weights_ptr, cache_ptr, scores_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    num_reqs, first_token,
+    stride_qt, stride_qh, stride_wt, stride_sr, stride_bt, stride_c_block, stride_c_offset,
+    KEY_COL: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Scores of row ``program_id(0)`` (token ``first_token + row``) for ``TILES`` key tiles.
+
+    q [T, NUM_HEADS, HEAD_DIM], weights [T, NUM_HEADS] fp32; the keys are cache columns
+    ``KEY_COL .. KEY_COL + HEAD_DIM``. Entries past the token's position are left unwritten.
+    """
+    row = tl.program_id(0)
+    token = first_token + row
+    req, position = token_position(query_start_loc_ptr, seq_lens_ptr, token, num_reqs)
+    first_tile = tl.program_id(1) * TILES
+    end_tile = tl.minimum(first_tile + TILES, tl.cdiv(position + 1, BLOCK_N))
+    if first_tile >= end_tile:
+        return
+    dims = tl.arange(0, HEAD_DIM)
+    heads = tl.arange(0, HEADS_P)
+    head_valid = heads < NUM_HEADS
+    token64 = token.to(tl.int64)
+    q = tl.load(q_ptr + token64 * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=head_valid[:, None],
+                other=0.0).to(cache_ptr.dtype.element_ty)  # [G, D]
+    w = tl.load(weights_ptr + token64 * stride_wt + heads, mask=head_valid, other=0.0)  # [G] fp32
+    table_row = block_tables_ptr + req.to(tl.int64) * stride_bt
+    score_row = scores_ptr + row.to(tl.int64) * stride_sr
+    for key_tile in range(first_tile, end_tile):
+        keys = key_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        key_mask = keys <= position
+        pages = tl.load(table_row + keys // BLOCK_SIZE, mask=key_mask, other=0)
+        rows = pages.to(tl.int64) * stride_c_block + (keys % BLOCK_SIZE) * stride_c_offset + KEY_COL  # [N]
+        k = tl.load(cache_ptr + rows[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)  # [N, D]
+        logits = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [G, N]
+        tl.store(score_row + keys, tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0), mask=key_mask)
+
+
+@triton.jit
+def sortable_key(scores):
+    """fp32 -> int32 whose signed order is the scores' order (negative floats flip their
+    magnitude bits)."""
+    bits = scores.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def byte_histogram(keys, valid, prefix, PASS: tl.constexpr):
+    """Histogram of byte ``PASS`` (most significant first) of the valid keys whose higher bytes
+    equal ``prefix`` (every valid key on pass 0)."""
+    SHIFT: tl.constexpr = 24 - 8 * PASS
+    if PASS == 0:
+        digits = (keys >> 24) + 128  # the signed top byte, shifted to 0..255
+        in_running = valid
+    else:
+        digits = (keys >> SHIFT) & 255
+        in_running = valid & ((keys >> (SHIFT + 8)) == prefix)
+    return tl.histogram(digits, 256, mask=in_running)
+
+
+@triton.jit
+def row_histogram(scores_row, num_keys, prefix, resident, PASS: tl.constexpr, BLOCK_S: tl.constexpr,
+                  SINGLE: tl.constexpr):
+    """``byte_histogram`` over the whole row: the resident keys (``SINGLE``) or block by block."""
+    offsets = tl.arange(0, BLOCK_S)
+    if SINGLE:
+        hist = byte_histogram(resident, offsets < num_keys, prefix, PASS)
+    else:
+        hist = tl.zeros([256], tl.int32)
+        for start in range(0, num_keys, BLOCK_S):
+            valid = start + offsets < num_keys
+            keys = sortable_key(tl.load(scores_row + start + offsets, mask=valid, other=0.0))
+            hist += byte_histogram(keys, valid, prefix, PASS)
+    return hist
+
+
+@triton.jit
+def keep_block(out_row, positions, keys, valid, threshold, wanted, kept, equal_seen):
+    """Write the block's kept positions after the ``kept`` already written: keys above the
+    threshold, and equal ones while fewer than ``wanted`` equal ones were seen."""
+    equal = (valid & (keys == threshold)).to(tl.int32)
+    equal_rank = equal_seen + tl.cumsum(equal, axis=0) - equal
+    keep = ((valid & (keys > threshold)) | ((equal > 0) & (equal_rank < wanted))).to(tl.int32)
+    destination = kept + tl.cumsum(keep, axis=0) - keep
+    tl.store(out_row + destination, positions, mask=keep > 0)
+    return kept + tl.sum(keep, axis=0), equal_seen + tl.sum(equal, axis=0)
+
+
+@triton.jit
+def kth_largest_by_radix(scores_row, num_keys, resident, topk, BLOCK_S: tl.constexpr, SINGLE: tl.constexpr):
+    """``(k-th largest key, how many keys equal to it belong to the top k)``, a byte a pass."""
+    bins = tl.arange(0, 256)
+    prefix = tl.zeros([], tl.int32)
+    wanted = tl.zeros([], tl.int32) + topk  # how many of the keys still in the running to keep
+    for PASS in tl.static_range(4):
+        hist = row_histogram(scores_row, num_keys, prefix, resident, PASS, BLOCK_S, SINGLE)
+        at_or_above = tl.cumsum(hist, axis=0, reverse=True)  # [256] keys with this byte or a higher one
+        chosen = tl.max(tl.where(at_or_above >= wanted, bins, 0), axis=0)  # the k-th largest's byte
+        wanted -= tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
+        if PASS == 0:
+            prefix = chosen - 128
+        else:
+            prefix = (prefix << 8) | chosen
+    return prefix, wanted
+
+
+@triton.jit
+def kth_largest_by_counting(keys, valid, topk):
+    """The same by bisection over the int32 range: the largest t with ``count(keys >= t) >= topk``."""
+    lo = tl.zeros([], tl.int64) - 2 ** 31
+    hi = tl.zeros([], tl.int64) + 2 ** 31 - 1
+    for _ in tl.static_range(32):
+        mid = lo + (hi - lo + 1) // 2
+        enough = tl.sum((valid & (keys >= mid.to(tl.int32))).to(tl.int32), axis=0) >= topk
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    threshold = lo.to(tl.int32)
+    return threshold, topk - tl.sum((valid & (keys > threshold)).to(tl.int32), axis=0)
+
+
+@triton.jit(do_not_specialize=["num_reqs", "first_token", "topk"])
+def topk_kernel(
+    scores_ptr, topk_ptr, seq_lens_ptr, query_start_loc_ptr,
+    num_reqs, first_token, topk, stride_sr, stride_kt,
+    BLOCK_S: tl.constexpr, SINGLE: tl.constexpr, COUNTING: tl.constexpr,
+):
+    """Row ``program_id(0)``'s top-``topk`` key positions into ``topk[first_token + row]``.
+
+    ``SINGLE``: the row fits in one ``BLOCK_S`` block, kept in registers for every pass;
+    otherwise each pass streams the row (from L2: it was just written) in blocks. ``COUNTING``
+    (resident rows only): bisect the threshold with 32 counts instead of 4 histograms.
+    """
+    row = tl.program_id(0)
+    token = first_token + row
+    _, position = token_position(query_start_loc_ptr, seq_lens_ptr, token, num_reqs)
+    num_keys = tl.maximum(position + 1, 0)
+    out_row = topk_ptr + (token.to(tl.int64)) * stride_kt
+    if num_keys <= topk:  # every key is kept
+        for chunk in range(0, tl.cdiv(topk, BLOCK_S)):
+            offsets = chunk * BLOCK_S + tl.arange(0, BLOCK_S)
+            tl.store(out_row + offsets, tl.where(offsets < num_keys, offsets, -1), mask=offsets < topk)
+        return
+
+    scores_row = scores_ptr + row.to(tl.int64) * stride_sr
+    resident = tl.zeros([BLOCK_S], tl.int32)
+    if SINGLE:
+        offsets = tl.arange(0, BLOCK_S)
+        resident = sortable_key(tl.load(scores_row + offsets, mask=offsets < num_keys, other=0.0))
+    if SINGLE and COUNTING:
+        threshold, wanted = kth_largest_by_counting(resident, tl.arange(0, BLOCK_S) < num_keys, topk)
+    else:
+        threshold, wanted = kth_largest_by_radix(scores_row, num_keys, resident, topk, BLOCK_S, SINGLE)
+
+    kept = tl.zeros([], tl.int32)
+    equal_seen = tl.zeros([], tl.int32)
+    offsets = tl.arange(0, BLOCK_S)
+    if SINGLE:
+        keep_block(out_row, offsets, resident, offsets < num_keys, threshold, wanted, kept, equal_seen)
+    else:
+        for start in range(0, num_keys, BLOCK_S):
+            valid = start + offsets < num_keys
+            keys = sortable_key(tl.load(scores_row + start + offsets, mask=valid, other=0.0))
+            kept, equal_seen = keep_block(out_row, start + offsets, keys, valid, threshold, wanted, kept,
+                                          equal_seen)
