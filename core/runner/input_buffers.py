@@ -31,6 +31,14 @@ class StepPlan:
     max_query_len: int
     max_seq_len: int  # max_model_len for graph batches: a graph must serve any length
     graph_size: int | None  # the CUDA graph this step replays or captures, if any
+    num_drafts: np.ndarray | None = None  # [num_reqs] drafts each request verifies (speculative decoding)
+    # Device token index of every logits row (speculative decoding: a verifying request's every
+    # token); None: each request's last token.
+    logits_indices: torch.Tensor | None = None
+
+    @property
+    def has_drafts(self) -> bool:
+        return self.num_drafts is not None and bool(self.num_drafts.any())
 
     @property
     def num_reqs(self) -> int:
@@ -52,6 +60,7 @@ def plan_step(out: SchedulerOutput, table: RequestTable, graph_size: Callable[[i
     query_lens = np.array([out.num_scheduled_tokens[req_id] for req_id in req_ids], dtype=np.int64)
     max_query_len = int(query_lens.max())
     max_seq_len = int((table.num_computed_host[rows] + query_lens).max())
+    num_drafts = np.array([out.num_draft_tokens.get(req_id, 0) for req_id in req_ids], dtype=np.int64)
     size = graph_size(num_reqs) if max_query_len == 1 else None
     if size is not None:
         max_seq_len = max_model_len  # baked into the graph's launches: any length must fit
@@ -61,7 +70,7 @@ def plan_step(out: SchedulerOutput, table: RequestTable, graph_size: Callable[[i
     np.cumsum(query_lens, out=query_start_loc[1: num_reqs + 1])
     query_start_loc[num_reqs + 1:] += query_start_loc[num_reqs] - num_reqs
     return StepPlan(req_ids, rows, query_lens, padded_rows, query_start_loc, int(query_start_loc[-1]),
-                    max_query_len, max_seq_len, size)
+                    max_query_len, max_seq_len, size, num_drafts)
 
 
 class InputBuffers:

@@ -47,6 +47,7 @@ from weir.runner.warmup import compile_kernel_variants
 from weir.sample import Sampler
 from weir.sampling_params import SamplingParams
 from weir.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from weir.spec_decode.runner import SpecDecodeStep
 from weir.weights import iter_checkpoint
 from weir.weights.loader import load_model
 
@@ -95,13 +96,18 @@ class ModelRunner:
             max_blocks_per_req=self.max_blocks_per_req, device=self.device, pin_memory=self.pin_memory, num_block_groups=len(self.caches.groups),
             padding_state_slot=self.padding_state_slot,
         )
+        # A decode graph under speculation holds 1 + k tokens per request.
+        tokens_per_decode = 1 + (config.speculative.num_speculative_tokens if config.speculative else 0)
         self.inputs = InputBuffers(
             max_num_reqs=config.scheduler.max_num_seqs,
-            max_num_tokens=max(config.scheduler.max_num_batched_tokens, self.max_graph_batch),
+            max_num_tokens=max(config.scheduler.max_num_batched_tokens, self.max_graph_batch * tokens_per_decode),
             num_groups=len(self.caches.groups), max_blocks_per_req=self.max_blocks_per_req,
             device=self.device, pin_memory=self.pin_memory, has_state=bool(self.caches.state_layers))
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.graphs: CudaGraphs | None = None
+        # Speculative decoding: verification and the proposer (a draft model's caches are sized
+        # with the target's below).
+        self.spec = SpecDecodeStep(self, config.speculative) if config.speculative is not None else None
 
         self.num_blocks = self._init_kv_cache()
         if self.use_graphs:
@@ -214,6 +220,7 @@ class ModelRunner:
         if out.is_empty:
             return None
         plan = self._plan(out, graph_mode)
+        layout = self.spec.layout(plan) if self.spec is not None else None
         self._prepare_inputs(plan)
         if plan.graph_size is None:
             logits = self._forward(plan)
@@ -221,6 +228,8 @@ class ModelRunner:
             if graph_mode == "capture":
                 self.graphs.capture(plan.graph_size, lambda: self._forward(plan))
             logits = self.graphs.replay(plan.graph_size)
+        if self.spec is not None:
+            return self.spec.finish_step(plan, logits[: layout.num_rows], layout, out)
         return self._sample(plan, logits[: plan.num_reqs], out)
 
     def _plan(self, out: SchedulerOutput, graph_mode: str) -> StepPlan:
@@ -270,7 +279,10 @@ class ModelRunner:
                 query_start_loc_cpu=None if plan.graph_size is not None else torch.from_numpy(plan.query_start_loc))
         ctx = self.caches.forward_context(paged_metadata, linear_metadata, self.moe_backend)
         hidden = self.model(buffers.input_ids[:num_tokens], buffers.positions[:num_tokens], ctx)
-        if plan.max_query_len > 1:
+        self.last_hidden = hidden  # [num_tokens, hidden]: what draft heads read (weir.spec_decode)
+        if plan.logits_indices is not None and plan.graph_size is None:
+            hidden = hidden[plan.logits_indices]  # [num_logits_rows, hidden]: verifying requests' every token
+        elif plan.max_query_len > 1:
             hidden = hidden[query_start_loc[1:].long() - 1]  # [batch, hidden]
         return self.model.compute_logits(hidden)  # the model's dtype: the sampler upcasts only where it must
 
@@ -294,11 +306,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def dummy_run(self, query_lens: list[int], context_lens: list[int] | None = None,
-                  sampling_params: list[SamplingParams] | None = None, graph_mode: str = "auto") -> AsyncOutput:
+                  sampling_params: list[SamplingParams] | None = None, graph_mode: str = "auto",
+                  num_draft_tokens: list[int] | None = None) -> AsyncOutput:
         """One ``execute`` of fake requests, each computing ``query_lens[i]`` tokens after
         ``context_lens[i]`` (default 0). Their blocks are all the null block and their state the
         padding slot, so they read and write nothing a real request owns; their rows are given
-        back before this returns. Only for an idle runner (start-up)."""
+        back before this returns; ``num_draft_tokens[i]`` of a request's tokens are drafts to
+        verify (speculative decoding). Only for an idle runner (start-up)."""
         context_lens = context_lens or [0] * len(query_lens)
         sampling_params = sampling_params or [SamplingParams(temperature=0)] * len(query_lens)
         num_groups = len(self.caches.groups)
@@ -315,7 +329,8 @@ class ModelRunner:
         step = SchedulerOutput(
             new_reqs=new_reqs, cached_reqs=CachedRequestData(), num_scheduled_tokens=dict(zip(req_ids, query_lens)),
             total_num_scheduled_tokens=sum(query_lens), sampling_req_ids=set(req_ids), min_tokens_req_ids=set(),
-            finished_req_ids=set(), preempted_req_ids=set())
+            finished_req_ids=set(), preempted_req_ids=set(),
+            num_draft_tokens={req_id: k for req_id, k in zip(req_ids, num_draft_tokens or []) if k})
         try:
             return self.execute(step, graph_mode)
         finally:

@@ -44,6 +44,9 @@ class SchedulerOutput:
     # Rows to give back before this step runs.
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
+    # Speculative decoding: request id -> drafts this step verifies (its last scheduled tokens;
+    # the drafts themselves wait on the device). Requests without drafts are left out.
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
     # The requests scheduled, by id: results are applied only to these very objects (an id can be
     # reused after an abort while this step is still in flight). Host-side; the runner ignores it.
     scheduled_requests: dict = field(default_factory=dict)
