@@ -157,3 +157,24 @@ def test_acceptance_counts_on_request_outputs(tiny_llama_path):
     # Every emitted token came from a spec step or from a plain one (the first, after the prompt).
     emitted_by_spec = body["num_spec_steps"] + body["num_accepted_draft_tokens"]
     assert emitted_by_spec <= 40
+
+
+PARAGRAPH = ("The river runs through the old town, past the mill and the market square, under seven stone bridges, "
+             "and out into the fields where the herons wait in the reeds for the morning light.")
+
+
+def test_default_model_with_ngram_repeats_a_paragraph_as_without():
+    """The real SmolLM2 (its GGUF): the same greedy text, and drafts the stats say were accepted."""
+    messages = [[{"role": "user", "content": f"Repeat this paragraph exactly, word for word:\n\n{PARAGRAPH}"}]]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    want = LLM(device="cpu", max_model_len=1024).chat(messages, params, use_tqdm=False)
+    spec = LLM(device="cpu", max_model_len=1024, per_request_spec_decode_metrics="summary",
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                                   "prompt_lookup_min": 2})
+    got = spec.chat(messages, params, use_tqdm=False)
+    assert got[0].outputs[0].text == want[0].outputs[0].text
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert "seven stone bridges" in got[0].outputs[0].text
+    stats = got[0].outputs[0].spec_decode_metrics
+    assert stats.draft_acceptance_rate > 0 and stats.mean_acceptance_length > 1.5
+    assert_nothing_held(spec)
