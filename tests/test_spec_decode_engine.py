@@ -178,3 +178,65 @@ def test_default_model_with_ngram_repeats_a_paragraph_as_without():
     stats = got[0].outputs[0].spec_decode_metrics
     assert stats.draft_acceptance_rate > 0 and stats.mean_acceptance_length > 1.5
     assert_nothing_held(spec)
+
+
+class OracleProposer:
+    """Drafts the baseline's own next tokens, with every ``corrupt_every``-th draft position of
+    a row replaced by a wrong token: verification then accepts runs of every length, which
+    n-grams over a random model rarely give. Reads the device (a test may)."""
+
+    num_lookahead_tokens = 0
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], num_drafts: int, corrupt_every: int = 4):
+        self.continuations = continuations
+        self.num_drafts = num_drafts
+        self.corrupt_every = corrupt_every
+        self.calls = 0
+
+    def propose(self, table, rows, max_len, **_):
+        from weir.spec_decode.ngram import write_drafts
+
+        import torch
+
+        drafts = torch.zeros(rows.shape[0], self.num_drafts, dtype=torch.long)
+        for index, row in enumerate(rows.tolist()):
+            num_prompt = int(table.num_prompt_tokens.gpu[row])
+            known = int(table.num_tokens.gpu[row])
+            prompt = tuple(table.token_ids.gpu[row, :num_prompt].tolist())
+            future = self.continuations[prompt][known - num_prompt:]
+            for j in range(self.num_drafts):
+                self.calls += 1
+                right = future[j] if j < len(future) else 0
+                drafts[index, j] = (right + 1) % 256 if self.calls % self.corrupt_every == 0 else right
+        write_drafts(table, rows, drafts.to(rows.device), torch.full_like(rows, self.num_drafts))
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_next(tmp_path_factory):
+    from helpers_models import make_tiny_qwen3_next
+
+    return make_tiny_qwen3_next(tmp_path_factory.mktemp("qwen3_next"), with_tokenizer=True)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("model", ["llama", "qwen3_next"])
+def test_partially_accepted_drafts_keep_greedy_and_logprobs_exact(tiny_llama_path, tiny_qwen3_next, model,
+                                                                   async_scheduling):
+    """Runs of every accepted length; for Qwen3-Next also that its DeltaNet state keeps nothing
+    of rejected drafts (a wrong state would change every later token)."""
+    path = tiny_llama_path if model == "llama" else tiny_qwen3_next
+    prompts = repetitive_prompts(7)[:6]
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=2)
+    options = dict(max_num_batched_tokens=24, block_size=4, async_scheduling=async_scheduling)
+    _, want = generate(path, prompts, params, **options)
+    continuations = {tuple(p): w.outputs[0].token_ids for p, w in zip(prompts, want)}
+    llm = LLM(str(path), device="cpu", dtype="float32", speculative_config=dict(NGRAM, adaptive=False), **options)
+    llm.engine.runner.spec.proposer = OracleProposer(continuations, 3)
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_same_completions(got, want)
+    histogram = [0] * 4
+    for output in got:
+        for j, count in enumerate(output.outputs[0].spec_decode_metrics.acceptance_histogram):
+            histogram[j] += count
+    assert all(count > 0 for count in histogram), histogram  # rejected at every draft, or none
+    assert_nothing_held(llm)

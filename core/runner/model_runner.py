@@ -222,6 +222,8 @@ class ModelRunner:
         plan = self._plan(out, graph_mode)
         layout = self.spec.layout(plan) if self.spec is not None else None
         self._prepare_inputs(plan)
+        if self.spec is not None:
+            self.spec.prepare(plan)
         if plan.graph_size is None:
             logits = self._forward(plan)
         else:

@@ -20,6 +20,7 @@ from weir.runner.inputs import post_update
 from weir.scheduler.output import SchedulerOutput
 from weir.scheduler.scheduler import SampledTokens
 from weir.spec_decode.config import SpeculativeConfig
+from weir.spec_decode.linear_state import StateRollback
 from weir.spec_decode.verify import Verifier, VerifyLayout, verify_layout
 
 
@@ -44,6 +45,8 @@ class SpecDecodeStep:
         self.runner = runner
         self.config = config
         self.verifier = Verifier(runner.sampler)
+        # Linear-attention layers keep a state per draft position while verifying.
+        self.rollback = StateRollback(runner) if runner.caches.state_layers else None
         self.proposer = make_proposer(runner, config)
 
     def layout(self, plan: StepPlan) -> VerifyLayout:
@@ -54,6 +57,11 @@ class SpecDecodeStep:
         plan.logits_indices = layout.device["logits_indices"]
         return layout
 
+    def prepare(self, plan: StepPlan) -> None:
+        """After the step's inputs are on the device, before its forward."""
+        if self.rollback is not None:
+            self.rollback.prepare(plan)
+
     def finish_step(self, plan: StepPlan, logits: torch.Tensor, layout: VerifyLayout,
                     out: SchedulerOutput) -> AsyncOutput:
         """Verify, post-update, propose; the step's results on their way to the host."""
@@ -63,6 +71,8 @@ class SpecDecodeStep:
         input_ids, positions = buffers.input_ids[:num_tokens], buffers.positions[:num_tokens]
         result = self.verifier.verify(logits, layout, real_rows, plan.rows, input_ids, positions, table.num_tokens.gpu,
                                       table.num_prompt_tokens.gpu, table.num_drafts.gpu)
+        if self.rollback is not None:
+            self.rollback.commit(result.num_emitted - 1)  # drafts accepted per request
         query_start_loc = buffers.query_start_loc
         post_update(table.token_ids.gpu, table.num_tokens.gpu, table.num_computed_tokens.gpu,
                     runner.sampler.output_token_counts, real_rows,
