@@ -73,7 +73,7 @@ class _Parent:
 class LLMEngine:
     def __init__(self, config: EngineConfig, platform, model_cls: type,
                  choose_attention_backends: Callable[[set[str]], dict[str, type]],
-                 choose_moe_backend: Callable[[], type]):
+                 choose_moe_backend: Callable[[], type], resolve_model: Callable[[str], type] | None = None):
         """The choosers run once the model is built: ``choose_attention_backends(layer_kinds) ->
         {kind: backend class}`` (``PluginRegistry.select_attention_backends``), and
         ``choose_moe_backend()`` only for models with MoE layers."""
@@ -83,7 +83,8 @@ class LLMEngine:
         # The tokenizer loads in a thread beside the model's load and warm-up (both need only the config).
         with ThreadPoolExecutor(1, thread_name_prefix="weir-tokenizer") as pool:
             tokenizer = start_loading_tokenizer(config.model, pool)
-            self.runner = ModelRunner(config, platform, model_cls, choose_attention_backends, choose_moe_backend)
+            self.runner = ModelRunner(config, platform, model_cls, choose_attention_backends, choose_moe_backend,
+                                      resolve_model)
             self.tokenizer = tokenizer.result()
         prefix_caching = config.cache.enable_prefix_caching
         if prefix_caching and self.runner.caches.state_layers:
@@ -138,7 +139,7 @@ class LLMEngine:
         def choose_moe_backend() -> type:
             return registry.select_moe_backend(platform, args.moe_backend)
 
-        return cls(config, platform, model_cls, choose_attention_backends, choose_moe_backend)
+        return cls(config, platform, model_cls, choose_attention_backends, choose_moe_backend, registry.resolve_model)
 
     # ---- requests ----------------------------------------------------------------------
 

@@ -74,7 +74,10 @@ def assert_same_completions(got, want, check_logprobs: bool = True):
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-def test_greedy_equals_no_speculation(checkpoint, scenario, async_scheduling):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_greedy_equals_no_speculation(checkpoint, scenario, async_scheduling, method):
+    """``draft_model`` drafts with the target's own checkpoint: every draft must be accepted, which
+    holds only if the draft's KV is right at every position (chunks, prefix hits, recompute)."""
     options, make_prompts = SCENARIOS[scenario]
     options = dict(options, async_scheduling=async_scheduling)
     if scenario == "preemption":
@@ -82,7 +85,12 @@ def test_greedy_equals_no_speculation(checkpoint, scenario, async_scheduling):
     prompts = make_prompts()
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=3)
     _, want = generate(checkpoint, prompts, params, **options)
-    llm, got = generate(checkpoint, prompts, params, NGRAM, **options)
+    speculative = NGRAM if method == "ngram" else {"method": "draft_model", "model": str(checkpoint),
+                                                    "num_speculative_tokens": 3, "adaptive": False}
+    if method == "draft_model" and scenario == "preemption":
+        # The draft's layers share each block: the same bytes hold half the blocks.
+        options["kv_cache_memory_bytes"] *= 2
+    llm, got = generate(checkpoint, prompts, params, speculative, **options)
     assert_same_completions(got, want)
     scheduler = llm.engine.scheduler
     if scenario == "preemption":
@@ -91,6 +99,8 @@ def test_greedy_equals_no_speculation(checkpoint, scenario, async_scheduling):
         assert scheduler.kv_cache.num_prefix_hits > 0
     counters = scheduler.spec.counters
     assert counters.num_accepted_tokens > 0  # the repeated phrases were drafted and accepted
+    if method == "draft_model":
+        assert counters.num_accepted_tokens == counters.num_draft_tokens
     accepted = sum(o.outputs[0].spec_decode_metrics.num_accepted_draft_tokens for o in got)
     assert accepted == counters.num_accepted_tokens
     assert_nothing_held(llm)
@@ -240,3 +250,21 @@ def test_partially_accepted_drafts_keep_greedy_and_logprobs_exact(tiny_llama_pat
             histogram[j] += count
     assert all(count > 0 for count in histogram), histogram  # rejected at every draft, or none
     assert_nothing_held(llm)
+
+
+def test_a_different_draft_model_keeps_greedy_exact(tiny_llama_path, tmp_path):
+    draft = make_tiny_llama(tmp_path / "draft", seed=3, num_hidden_layers=1)
+    prompts = repetitive_prompts(11)
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=1)
+    _, want = generate(tiny_llama_path, prompts, params, max_num_batched_tokens=32)
+    speculative = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
+    llm, got = generate(tiny_llama_path, prompts, params, speculative, max_num_batched_tokens=32)
+    assert_same_completions(got, want)
+    assert llm.engine.scheduler.spec.counters.num_draft_tokens > 0
+    assert_nothing_held(llm)
+
+
+def test_a_draft_with_linear_attention_is_refused(tiny_llama_path, tiny_qwen3_next):
+    with pytest.raises(ValueError, match="linear-attention layers"):
+        LLM(str(tiny_llama_path), device="cpu", speculative_config={
+            "method": "draft_model", "model": str(tiny_qwen3_next), "num_speculative_tokens": 2})

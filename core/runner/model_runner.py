@@ -60,11 +60,15 @@ GRAPH_MODES = ("auto", "capture", "off")
 class ModelRunner:
     def __init__(self, config: EngineConfig, platform: Platform, model_cls: type,
                  choose_attention_backends: Callable[[set[str]], dict[str, type]],
-                 choose_moe_backend: Callable[[], type]):
+                 choose_moe_backend: Callable[[], type], resolve_model: Callable[[str], type] | None = None):
         """``choose_attention_backends(layer_kinds)`` maps each layer kind the model declares to
         a backend class (``PluginRegistry.select_attention_backends``); ``choose_moe_backend()``
-        is asked only when the model has MoE layers."""
+        is asked only when the model has MoE layers; ``resolve_model(architecture)`` gives a
+        draft model's class (speculative decoding's ``draft_model``)."""
         self.config = config
+        self.choose_attention_backends = choose_attention_backends
+        self.choose_moe_backend = choose_moe_backend
+        self.resolve_model = resolve_model
         self.platform = platform
         self.device = platform.device()
         self.pin_memory = platform.pin_memory
@@ -164,6 +168,8 @@ class ModelRunner:
     def _init_kv_cache(self) -> list[int]:
         """Warm up and profile against one-block caches, then size and allocate every group's."""
         self.caches.allocate_kv_caches([1] * len(self.caches.groups))
+        if self.spec is not None:
+            self.spec.allocate_kv_caches([1] * len(self.caches.groups))
         # Whether every Triton variant a step launches was compiled and loaded at warm-up: graph
         # capture then needs no eager run before each capture.
         self.kernels_compiled_ahead = False
@@ -172,7 +178,13 @@ class ModelRunner:
         sizing = size_kv_cache(self)
         self.graph_reserve_bytes = sizing.graph_reserve_bytes
         self.caches.allocate_kv_caches(sizing.num_blocks)
+        if self.spec is not None:
+            self.spec.allocate_kv_caches(sizing.num_blocks)
         return sizing.num_blocks
+
+    def extra_kv_bytes_per_block(self, group: int) -> int:
+        """Bytes a draft's layers add to each block of cache group ``group`` (speculative decoding)."""
+        return self.spec.extra_kv_bytes_per_block(group) if self.spec is not None else 0
 
     def kv_group_configs(self) -> list[GroupConfig]:
         """What the KV manager needs to know of each paged cache group."""

@@ -162,7 +162,7 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
-            lookahead = self.spec.lookahead(request, num_new) if self.spec is not None else 0
+            lookahead = self.spec.lookahead(request, request.num_computed_tokens, num_new) if self.spec else 0
             new_blocks = self.kv_cache.allocate_slots(request, num_new + lookahead)
             while new_blocks is None:
                 victim = self.running[-1]  # later in the list, so not scheduled yet this step
@@ -187,10 +187,7 @@ class Scheduler:
                 break  # its last token is still on the way; resume it once it has arrived
             hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
-            lookahead = 0
-            if self.spec is not None:
-                lookahead = max(0, min(self.spec.config.num_lookahead_tokens,
-                                       self.config.max_model_len - request.num_tokens))
+            lookahead = self.spec.lookahead(request, num_hit_tokens, num_new) if self.spec else 0
             if self.kv_cache.allocate_slots(request, num_new + lookahead, hit_blocks) is None:
                 break
             self.kv_cache.count_admission(request, num_hit_tokens)

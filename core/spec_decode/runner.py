@@ -49,6 +49,15 @@ class SpecDecodeStep:
         self.rollback = StateRollback(runner) if runner.caches.state_layers else None
         self.proposer = make_proposer(runner, config)
 
+    def extra_kv_bytes_per_block(self, group: int) -> int:
+        caches = getattr(self.proposer, "caches", None)
+        return caches.extra_bytes_per_block(group) if caches is not None else 0
+
+    def allocate_kv_caches(self, num_blocks: list[int]) -> None:
+        caches = getattr(self.proposer, "caches", None)
+        if caches is not None:
+            caches.allocate(num_blocks)
+
     def layout(self, plan: StepPlan) -> VerifyLayout:
         runner = self.runner
         num_reqs = plan.num_reqs

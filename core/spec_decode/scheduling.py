@@ -45,9 +45,14 @@ class SpecScheduling:
         room = request.max_tokens - request.num_outputs_with_placeholders - 1
         return max(0, min(wanted, room))
 
-    def lookahead(self, request: Request, num_new: int) -> int:
-        """KV slots past this step's tokens that proposing writes, within max_model_len."""
-        room = self.max_model_len - request.num_computed_tokens - num_new
+    def lookahead(self, request: Request, num_computed: int, num_new: int) -> int:
+        """KV slots past this step's tokens that proposing writes, within max_model_len: only
+        for a step that samples (proposing follows it). A partial prefill chunk gets none, as
+        its blocks are registered in the prefix cache up to its known tokens, which must then
+        have the target's KV of this step."""
+        if num_computed + num_new < request.num_tokens_with_placeholders:
+            return 0
+        room = self.max_model_len - num_computed - num_new
         return max(0, min(self.config.num_lookahead_tokens, room))
 
     def apply_result(self, request: Request, num_scheduled_drafts: int, num_verified: int,
