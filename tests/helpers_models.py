@@ -216,3 +216,29 @@ def save_tiny_tokenizer(path: Path, vocab_size: int = TINY_VOCAB_SIZE) -> Path:
         "pad_token": "<pad>", "model_max_length": 512, "chat_template": CHAT_TEMPLATE,
     }, indent=2))
     return path
+
+
+def add_made_up_mtp_weights(path: Path, *, seed: int = 0, source_layer: int = 1) -> Path:
+    """Give a tiny Qwen3-Next checkpoint (``make_tiny_qwen3_next``) an ``mtp.*`` block in the layout
+    of the released checkpoints: ``mtp.fc`` [hidden, 2 hidden], the pre-fc norms and the final norm,
+    and one full-attention decoder layer (``mtp.layers.0``: a perturbed copy of full-attention layer
+    ``source_layer``), in a shard of its own that the index lists beside the model's."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    tensors = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed)
+    hidden = next(t for n, t in tensors.items() if n == "model.embed_tokens.weight").shape[1]
+    prefix = f"model.layers.{source_layer}."
+    mtp = {}
+    for name, tensor in tensors.items():
+        if name.startswith(prefix):
+            noise = torch.randn(tensor.shape, generator=gen) * 0.05 * (tensor.std() if tensor.numel() > 1 else 1)
+            mtp["mtp.layers.0." + name[len(prefix):]] = (tensor + noise).contiguous()
+    mtp["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) * 0.1
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{norm}.weight"] = torch.randn(hidden, generator=gen) * 0.1  # zero-centred: (1 + w)
+    save_file(mtp, path / "mtp.safetensors")
+    weight_map = {name: "model.safetensors" for name in tensors} | {name: "mtp.safetensors" for name in mtp}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path
