@@ -51,7 +51,7 @@ def _load_head(runner, config):
 
         model_config = runner.config.draft_model
         head_cls, model_config = eagle_head_class(config.method, model_config)
-        weights = iter_checkpoint(model_config)
+        weights = ((name.removeprefix("model."), tensor) for name, tensor in iter_checkpoint(model_config))
         what = f"the {config.method} head {model_config.model!r}"
     try:
         head = load_model(head_cls, model_config, runner.device, weights)
