@@ -456,3 +456,35 @@ def test_disable_by_batch_size_and_the_adaptive_rule_choose_the_drafts():
         scheduler.update(out, spec_result(out, {"a": [5]}))  # every draft rejected
     assert drafts[0] == 2 and drafts[-1] <= 1 and 0 in drafts
     assert request.spec_stats.draft_acceptance_rate == 0
+
+
+def test_plan_step_pads_a_verify_batch_to_its_graph_width():
+    """A batch whose requests have at most 1 + k tokens each runs in the graph of that width: its
+    tokens are size * width, those past the last request belonging to none."""
+    import numpy as np
+
+    from weir.runner.input_buffers import plan_step
+    from weir.scheduler.output import CachedRequestData, SchedulerOutput
+
+    class Table:
+        row_of = {"a": 3, "b": 5, "c": 0}
+        num_computed_host = np.array([7, 0, 0, 9, 0, 4, 0, 0, 0], dtype=np.int64)
+        padding_row = 8
+
+    out = SchedulerOutput(new_reqs=[], cached_reqs=CachedRequestData(), num_scheduled_tokens={"a": 4, "b": 2, "c": 1},
+                          total_num_scheduled_tokens=7, sampling_req_ids={"a", "b", "c"}, min_tokens_req_ids=set(),
+                          finished_req_ids=set(), preempted_req_ids=set(), num_draft_tokens={"a": 3, "b": 1})
+    seen = []
+
+    def graph_size(num_reqs, max_query_len):
+        seen.append((num_reqs, max_query_len))
+        return 4, 4  # the next captured size of width 1 + 3
+
+    plan = plan_step(out, Table(), graph_size, max_model_len=64)
+    assert seen == [(3, 4)]
+    assert plan.padded_rows.tolist() == [3, 5, 0, 8] and plan.batch == 4
+    assert plan.query_start_loc.tolist() == [0, 4, 6, 7, 8]  # the padding request owns one token
+    assert plan.num_tokens == 16 and plan.max_query_len == 4 and plan.max_seq_len == 64
+    assert plan.num_drafts.tolist() == [3, 1, 0] and plan.graph_width == 4
+    eager = plan_step(out, Table(), lambda num_reqs, max_query_len: None, max_model_len=64)
+    assert eager.num_tokens == 7 and eager.max_seq_len == 13 and eager.graph_size is None

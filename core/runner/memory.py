@@ -57,6 +57,9 @@ def profile_peak_bytes(runner) -> tuple[int, int]:
                                                  graph_mode="off"))
     logger.info("profiling run: %d requests, %d tokens, %.1f s", len(query_lens), sum(query_lens),
                 time.perf_counter() - start)
-    decode_peak = peak_of(lambda: runner.dummy_run([1] * runner.max_graph_batch, graph_mode="off"))
+    # The widest decode graph family: one token per request, or 1 + drafts under speculation.
+    width = max(getattr(runner, "graph_widths", [1]))
+    decode_peak = peak_of(lambda: runner.dummy_run([width] * runner.max_graph_batch, graph_mode="off",
+                                                   num_draft_tokens=[width - 1] * runner.max_graph_batch))
     torch.cuda.empty_cache()
     return step_peak, decode_peak

@@ -94,6 +94,12 @@ class ModelRunner:
         self.max_running_reqs = min(config.scheduler.max_num_seqs,
                                     self.num_state_slots or config.scheduler.max_num_seqs)
         self.max_graph_batch = min(self.max_running_reqs, 512)
+        # Token slots per request of each graph family: decode, and under speculation verification
+        # too (not for linear-attention models, whose verify steps run their layers per position).
+        speculative = config.speculative
+        self.graph_widths = [1]
+        if speculative is not None and not self.caches.state_layers:
+            self.graph_widths.append(1 + speculative.num_speculative_tokens)
         self.capture_sizes = default_capture_sizes(self.max_running_reqs) if self.use_graphs else []
         self.table = RequestTable(
             max_num_reqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
@@ -195,10 +201,12 @@ class ModelRunner:
         self.graphs = CudaGraphs(self.device, self.capture_sizes)
         eager_first = not self.kernels_compiled_ahead
         with self.graphs.capturing(eager_first):
-            for batch_size in reversed(self.capture_sizes):
-                if eager_first:  # kernels that compile or autotune on first launch do it outside the capture
-                    self.dummy_run([1] * batch_size, graph_mode="off")
-                self.dummy_run([1] * batch_size, graph_mode="capture")
+            for width in reversed(self.graph_widths):  # the widest first: smaller ones reuse its pool
+                for batch_size in reversed(self.capture_sizes):
+                    query_lens, drafts = [width] * batch_size, [width - 1] * batch_size
+                    if eager_first:  # kernels that compile or autotune on first launch do it outside the capture
+                        self.dummy_run(query_lens, graph_mode="off", num_draft_tokens=drafts)
+                    self.dummy_run(query_lens, graph_mode="capture", num_draft_tokens=drafts)
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -240,8 +248,13 @@ class ModelRunner:
             logits = self._forward(plan)
         else:
             if graph_mode == "capture":
-                self.graphs.capture(plan.graph_size, lambda: self._forward(plan))
-            logits = self.graphs.replay(plan.graph_size)
+                self.graphs.capture(plan.graph_size, lambda: self._forward(plan), plan.graph_width)
+            logits = self.graphs.replay(plan.graph_size, plan.graph_width)
+            if self.spec is not None:  # the graph gave the hidden states (and what draft heads read)
+                hidden, extras = logits
+                self.last_hidden = hidden
+                self.spec.restore_graph_extras(extras)
+                logits = self.model.compute_logits(hidden[plan.logits_indices])
         if self.spec is not None:
             return self.spec.finish_step(plan, logits[: layout.num_rows], layout, out)
         return self._sample(plan, logits[: plan.num_reqs], out)
@@ -250,10 +263,14 @@ class ModelRunner:
         if graph_mode not in GRAPH_MODES:
             raise ValueError(f"graph_mode must be one of {GRAPH_MODES}, got {graph_mode!r}")
 
-        def graph_size(num_reqs: int) -> int | None:
+        def graph_size(num_reqs: int, max_query_len: int) -> tuple[int, int] | None:
+            width = next((w for w in self.graph_widths if max_query_len <= w), None)
+            if width is None:
+                return None
             if graph_mode == "capture":
-                return num_reqs
-            return self.graphs.padded_size(num_reqs) if graph_mode == "auto" and self.graphs is not None else None
+                return num_reqs, width
+            size = self.graphs.padded_size(num_reqs, width) if graph_mode == "auto" and self.graphs is not None else None
+            return None if size is None else (size, width)
 
         return plan_step(out, self.table, graph_size, self.max_model_len)
 
@@ -294,7 +311,9 @@ class ModelRunner:
         ctx = self.caches.forward_context(paged_metadata, linear_metadata, self.moe_backend)
         hidden = self.model(buffers.input_ids[:num_tokens], buffers.positions[:num_tokens], ctx)
         self.last_hidden = hidden  # [num_tokens, hidden]: what draft heads read (weir.spec_decode)
-        if plan.logits_indices is not None and plan.graph_size is None:
+        if self.spec is not None and plan.graph_size is not None:
+            return hidden, self.spec.graph_extras()  # logits of the verified rows come after the graph
+        if plan.logits_indices is not None:
             hidden = hidden[plan.logits_indices]  # [num_logits_rows, hidden]: verifying requests' every token
         elif plan.max_query_len > 1:
             hidden = hidden[query_start_loc[1:].long() - 1]  # [batch, hidden]

@@ -58,6 +58,17 @@ class SpecDecodeStep:
         if caches is not None:
             caches.allocate(num_blocks)
 
+    def graph_extras(self) -> dict:
+        """What a draft head keeps of the target's forward besides the hidden states (EAGLE-3's
+        residual streams), as a captured graph's outputs."""
+        head = getattr(self.proposer, "head", None)
+        return dict(getattr(head, "_aux", {}) or {})
+
+    def restore_graph_extras(self, extras: dict) -> None:
+        head = getattr(self.proposer, "head", None)
+        if extras and head is not None:
+            head._aux = dict(extras)
+
     def layout(self, plan: StepPlan) -> VerifyLayout:
         runner = self.runner
         num_reqs = plan.num_reqs
