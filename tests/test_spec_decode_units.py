@@ -140,8 +140,9 @@ def test_request_stats_arithmetic_and_fields():
     counters = SpecDecodeCounters(3)
     counters.observe(3, 2)
     counters.observe(2, 1)
+    counters.observe(0, 0, num_slots=3)  # slots scheduled, no draft found: no spec step
     assert counters.snapshot() == {"num_drafts": 2, "num_draft_tokens": 5, "num_accepted_tokens": 3,
-                                   "accepted_per_position": [2, 1, 0]}
+                                   "accepted_per_position": [2, 1, 0], "num_draft_slots": 3}
 
 
 # ---- n-gram proposer ----------------------------------------------------------------------

@@ -64,4 +64,4 @@ class SpecScheduling:
             request.num_computed_tokens -= num_scheduled_drafts - num_accepted
         request.adaptive.observe(num_scheduled_drafts, num_accepted)
         request.spec_stats.observe(num_verified, num_accepted)
-        self.counters.observe(num_verified, num_accepted)
+        self.counters.observe(num_verified, num_accepted, num_scheduled_drafts)

@@ -98,12 +98,15 @@ class SpecDecodeCounters:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    # Draft slots scheduled (verified positions the steps paid for, drafts or not): not a vLLM counter.
+    num_draft_slots: int = 0
 
     def __post_init__(self):
         if not self.accepted_per_position:
             self.accepted_per_position = [0] * self.num_spec_tokens
 
-    def observe(self, num_drafts: int, num_accepted: int) -> None:
+    def observe(self, num_drafts: int, num_accepted: int, num_slots: int = 0) -> None:
+        self.num_draft_slots += num_slots
         if num_drafts <= 0:
             return
         self.num_drafts += 1
@@ -115,4 +118,4 @@ class SpecDecodeCounters:
     def snapshot(self) -> dict:
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens,
-                "accepted_per_position": list(self.accepted_per_position)}
+                "accepted_per_position": list(self.accepted_per_position), "num_draft_slots": self.num_draft_slots}

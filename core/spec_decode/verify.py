@@ -153,16 +153,17 @@ class Verifier:
                               num_prompt_tokens: torch.Tensor) -> torch.Tensor:
         """-inf for stop tokens at rows whose output index is below their request's min_tokens."""
         states = self.sampler.states
+        rows = np.asarray(rows, dtype=np.int64)
         pair_rows, pair_tokens, pair_limits = [], [], []
-        for b, row in enumerate(np.asarray(rows, dtype=np.int64)):
-            min_tokens = int(states.min_tokens_host[row])
+        for b in np.flatnonzero(states.min_tokens_host[rows] > 0):  # usually none
+            row = rows[b]
             stop_ids = states.stop_token_ids[row]
-            if min_tokens <= 0 or stop_ids.size == 0:
+            if stop_ids.size == 0:
                 continue
             logit_rows = np.flatnonzero(layout.req_of_row == b)
             pair_rows.append(np.repeat(logit_rows, stop_ids.size))
             pair_tokens.append(np.tile(stop_ids, logit_rows.size))
-            pair_limits.append(np.full(logit_rows.size * stop_ids.size, min_tokens, dtype=np.int64))
+            pair_limits.append(np.full(logit_rows.size * stop_ids.size, states.min_tokens_host[row], dtype=np.int64))
         if not pair_rows:
             return logits
         device, pin = logits.device, states.pin_memory
