@@ -79,9 +79,16 @@ def warmup_tasks(runner, sampling_kinds: tuple[SamplingParams, ...] = SAMPLING_K
     sampling = [([1] * len(kinds), None, list(kinds))
                 for kinds in (sampling_kinds, sampling_kinds[1:2], sampling_kinds[2:3])]
     limit = runner.max_running_reqs  # no real step holds more requests (nor has the table more rows)
-    return [(runner.dummy_run, (query_lens[:limit], context_lens and context_lens[:limit], params and params[:limit],
-                                "off"))
-            for query_lens, context_lens, params in forwards + attention + sampling]
+    tasks = [(runner.dummy_run, (query_lens[:limit], context_lens and context_lens[:limit], params and params[:limit],
+                                 "off"))
+             for query_lens, context_lens, params in forwards + attention + sampling]
+    speculative = getattr(runner.config, "speculative", None)
+    if speculative is not None:  # verification (1 + k tokens a request) and proposing after it
+        width = 1 + speculative.num_speculative_tokens
+        for num_reqs in (1, 2, 16):
+            num_reqs = min(num_reqs, limit)
+            tasks.append((runner.dummy_run, ([width] * num_reqs, None, None, "off", [width - 1] * num_reqs)))
+    return tasks
 
 
 def compile_kernel_variants(runner) -> bool:
@@ -105,10 +112,15 @@ COMPILE_AHEAD_ENV = "WEIR_COMPILE_AHEAD"  # "0" turns the compile-ahead pass off
 
 def compile_ahead_safe(runner) -> bool:
     """Whether a forward whose Triton kernels do not run is harmless for this model: only when
-    no torch op indexes with a Triton kernel's output (MoE routing and linear-attention state
-    kernels do) and every kernel compiles without autotuning (fla's would time no-ops)."""
+    no torch op indexes with a Triton kernel's output (MoE routing, linear-attention state
+    kernels and speculative draft models do) and every kernel compiles without autotuning (fla's
+    would time no-ops)."""
+    # Draft models and heads gather their inputs into fresh tensors, which a skipped kernel leaves
+    # unwritten, and index embeddings and KV slots with them.
+    speculative = getattr(runner.config, "speculative", None)
+    drafts_by_model = speculative is not None and speculative.uses_draft_model
     return (runner.device.type == "cuda" and not runner.caches.state_layers and runner.moe_backend is None
-            and os.environ.get(COMPILE_AHEAD_ENV, "1") != "0")
+            and not drafts_by_model and os.environ.get(COMPILE_AHEAD_ENV, "1") != "0")
 
 
 class _CompileOnly(threading.local):
