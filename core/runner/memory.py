@@ -62,4 +62,8 @@ def profile_peak_bytes(runner) -> tuple[int, int]:
     decode_peak = peak_of(lambda: runner.dummy_run([width] * runner.max_graph_batch, graph_mode="off",
                                                    num_draft_tokens=[width - 1] * runner.max_graph_batch))
     torch.cuda.empty_cache()
+    if getattr(runner.config, "speculative", None) is not None:
+        # A verify step samples 1 + k rows a request ([rows, vocab] buffers): it may outgrow the
+        # largest prefill step, graphs or not.
+        step_peak = max(step_peak, decode_peak)
     return step_peak, decode_peak
