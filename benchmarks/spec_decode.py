@@ -41,6 +41,10 @@ OPEN_ENDED = ["Write a short story about a robot who learns to paint.", "Invent 
               "Describe an imaginary city on the moon.", "Write a poem about the colour of silence."]
 
 
+def random_prompts(rng: random.Random, batch: int, length: int) -> list[dict]:
+    return [{"prompt_token_ids": [rng.randrange(1000, 20000) for _ in range(length)]} for _ in range(batch)]
+
+
 def engine(model, device, speculative=None, **options):
     from weir import LLM
 
@@ -80,9 +84,10 @@ def ceiling(args):
     rng = random.Random(0)
     rows = []
     for batch in args.batch:
-        prompts = [{"prompt_token_ids": [rng.randrange(1000, 20000) for _ in range(args.input_len)]} for _ in range(batch)]
+        prompts = random_prompts(rng, batch, args.input_len)
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-        options = dict(load_format="dummy", max_model_len=args.input_len + args.output_len + 32, max_num_seqs=max(batch, 1))
+        options = dict(load_format="dummy", max_model_len=args.input_len + args.output_len + 32,
+                       max_num_seqs=max(batch, 1))
         base = engine(args.model, args.device, **options)
         _, row = timed_generate(base, prompts, params, chat=False)
         base_tok_per_s = row["tok_per_s"]
@@ -122,9 +127,10 @@ def verify_cost(args):
     rng = random.Random(0)
     rows = []
     for batch in args.batch:
-        prompts = [{"prompt_token_ids": [rng.randrange(1000, 20000) for _ in range(args.input_len)]} for _ in range(batch)]
+        prompts = random_prompts(rng, batch, args.input_len)
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-        options = dict(load_format="dummy", max_model_len=args.input_len + args.output_len + 32, max_num_seqs=max(batch, 1))
+        options = dict(load_format="dummy", max_model_len=args.input_len + args.output_len + 32,
+                       max_num_seqs=max(batch, 1))
         for k in [0] + args.k:
             spec = None if k == 0 else {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
                                         "prompt_lookup_max": 1, "adaptive": False}

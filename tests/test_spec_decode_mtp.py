@@ -73,8 +73,9 @@ def test_mtp_drafts_match_a_transformers_reference(checkpoint):
     # transformers keeps the experts fused: gate_up_proj [E, 2 I, H], down_proj [E, H, I].
     experts = sorted({int(name.split(".")[5]) for name in state if ".mlp.experts." in name})
     prefix = "model.layers.0.mlp.experts."
-    state[prefix + "gate_up_proj"] = torch.stack([torch.cat([state.pop(f"{prefix}{e}.gate_proj.weight"),
-                                                            state.pop(f"{prefix}{e}.up_proj.weight")]) for e in experts])
+    state[prefix + "gate_up_proj"] = torch.stack([
+        torch.cat([state.pop(f"{prefix}{e}.gate_proj.weight"), state.pop(f"{prefix}{e}.up_proj.weight")])
+        for e in experts])
     state[prefix + "down_proj"] = torch.stack([state.pop(f"{prefix}{e}.down_proj.weight") for e in experts])
     state["model.norm.weight"] = weights["mtp.norm.weight"]
     state["lm_head.weight"] = target["lm_head.weight"]

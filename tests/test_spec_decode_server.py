@@ -107,9 +107,10 @@ def test_responses_are_unchanged_unless_asked(tiny_llama_path):
         assert result.done and all("metrics" not in event for event in result.events)
 
 
-@pytest.mark.parametrize("config, field", [('{"method": "ngram", "num_speculative_tokens": -2}', "num_speculative_tokens"),
-                                           ('{"method": "banana", "num_speculative_tokens": 2}', "method"),
-                                           ('{"method": "ngram"', "not valid JSON")])
+@pytest.mark.parametrize("config, field", [
+    ('{"method": "ngram", "num_speculative_tokens": -2}', "num_speculative_tokens"),
+    ('{"method": "banana", "num_speculative_tokens": 2}', "method"),
+    ('{"method": "ngram"', "not valid JSON")])
 def test_serve_refuses_a_bad_speculative_config(tiny_llama_path, config, field):
     from weir.cli.main import app
 

@@ -197,13 +197,14 @@ def test_greedy_rows_accept_exactly_the_argmax_run():
     # Two requests, 3 drafts each: rows' argmaxes are [5, 6, 7, 8] and [1, 2, 3, 4].
     greedy = torch.tensor([5, 6, 7, 8, 1, 2, 3, 4])
     drafts = torch.tensor([5, 6, 0, 0, 1, 9, 3, 0])  # request 0 accepts 2, request 1 accepts 1
-    out = rejection_sample(None, greedy, torch.ones(8, dtype=torch.bool), drafts, None, torch.zeros(8, dtype=torch.long),
-                           torch.arange(8), _flat_layout(2, 4), torch.tensor([3, 3]))
+    all_greedy, seeds = torch.ones(8, dtype=torch.bool), torch.zeros(8, dtype=torch.long)
+    out = rejection_sample(None, greedy, all_greedy, drafts, None, seeds, torch.arange(8), _flat_layout(2, 4),
+                           torch.tensor([3, 3]))
     assert out.num_accepted.tolist() == [2, 1]
     assert out.emitted.tolist() == [[5, 6, 7, -1], [1, 2, -1, -1]]
     # With only one draft available the second row is never checked: its argmax is sampled.
-    out = rejection_sample(None, greedy, torch.ones(8, dtype=torch.bool), drafts, None, torch.zeros(8, dtype=torch.long),
-                           torch.arange(8), _flat_layout(2, 4), torch.tensor([1, 0]))
+    out = rejection_sample(None, greedy, all_greedy, drafts, None, seeds, torch.arange(8), _flat_layout(2, 4),
+                           torch.tensor([1, 0]))
     assert out.emitted.tolist() == [[5, 6, -1, -1], [1, -1, -1, -1]]
     assert out.num_verified.tolist() == [1, 0]
 

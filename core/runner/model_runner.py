@@ -269,7 +269,9 @@ class ModelRunner:
                 return None
             if graph_mode == "capture":
                 return num_reqs, width
-            size = self.graphs.padded_size(num_reqs, width) if graph_mode == "auto" and self.graphs is not None else None
+            if graph_mode != "auto" or self.graphs is None:
+                return None
+            size = self.graphs.padded_size(num_reqs, width)
             return None if size is None else (size, width)
 
         return plan_step(out, self.table, graph_size, self.max_model_len)

@@ -34,7 +34,8 @@ class DraftCaches:
         self.group_map = []
         for group in self.caches.groups:
             if group.sliding_window not in target_windows:
-                kind = "full attention" if group.sliding_window is None else f"a sliding window of {group.sliding_window}"
+                window = group.sliding_window
+                kind = "full attention" if window is None else f"a sliding window of {window}"
                 raise ValueError(f"{what} has layers with {kind}, which no cache group of the target has: a draft's "
                                  f"layers must share the target's cache groups")
             self.group_map.append(target_windows.index(group.sliding_window))

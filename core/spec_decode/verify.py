@@ -143,7 +143,8 @@ class Verifier:
         vocab_size = counts.shape[-1]
         is_draft_row = dev["j_of_row"] < dev["num_drafts"][dev["req_of_row"]]  # rows that verify a draft
         one_hot = torch.zeros_like(counts)
-        one_hot.scatter_(1, draft_tokens.clamp(0, vocab_size - 1).unsqueeze(1), is_draft_row.to(counts.dtype).unsqueeze(1))
+        one_hot.scatter_(1, draft_tokens.clamp(0, vocab_size - 1).unsqueeze(1),
+                         is_draft_row.to(counts.dtype).unsqueeze(1))
         before = one_hot.cumsum(dim=0) - one_hot  # [N, V]: drafts of every earlier row
         first_row = dev["flat_of"][:, 0][dev["req_of_row"]]  # [N]
         return counts + before - before[first_row]
