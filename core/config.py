@@ -298,7 +298,8 @@ class EngineArgs:
         if self.per_request_spec_decode_metrics not in PER_REQUEST_METRICS_LEVELS:
             raise ValueError(f"per_request_spec_decode_metrics must be one of {', '.join(PER_REQUEST_METRICS_LEVELS)}, "
                              f"got {self.per_request_spec_decode_metrics!r}")
-        if self.speculative_config is not None and not isinstance(self.speculative_config, (dict, str)):
+        if self.speculative_config is not None and not isinstance(self.speculative_config,
+                                                                  (dict, str, SpeculativeConfig)):
             raise ValueError(f"speculative_config must be a dict or a JSON string, got "
                              f"{type(self.speculative_config).__name__}")
         if self.generation_config not in ("auto", "none", "vllm") and not os.path.isdir(self.generation_config):

@@ -64,7 +64,8 @@ class _Parent:
                 index=child.index, text=child.detokenizer.visible_text(request.is_finished),
                 token_ids=list(request.output_token_ids), cumulative_logprob=child.cumulative_logprob,
                 logprobs=child.logprobs, finish_reason=finish_reason, stop_reason=request.stop_reason,
-                spec_decode_metrics=None if request.spec_stats is None else request.spec_stats.copy(),
+                spec_decode_metrics=(None if request.spec_stats is None
+                                     else request.spec_stats.copy(with_steps=request.is_finished)),
             ))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished,
                              self.children[0].request.num_cached_tokens)

@@ -58,10 +58,13 @@ class RequestSpecStats:
             self.num_accepted_draft_tokens + other.num_accepted_draft_tokens, histogram,
             self.per_step_accepted + other.per_step_accepted, self.per_step_drafted + other.per_step_drafted)
 
-    def copy(self) -> RequestSpecStats:
-        return RequestSpecStats(self.num_spec_tokens, self.detailed, self.num_spec_steps, self.num_draft_tokens,
-                                self.num_accepted_draft_tokens, list(self.acceptance_histogram),
-                                list(self.per_step_accepted), list(self.per_step_drafted))
+    def copy(self, with_steps: bool = True) -> RequestSpecStats:
+        """A snapshot; ``with_steps=False`` leaves the per-step lists out (what a streamed output
+        that is not the last needs, so each step's copy stays small)."""
+        return RequestSpecStats(self.num_spec_tokens, self.detailed and with_steps, self.num_spec_steps,
+                                self.num_draft_tokens, self.num_accepted_draft_tokens, list(self.acceptance_histogram),
+                                list(self.per_step_accepted) if with_steps else [],
+                                list(self.per_step_drafted) if with_steps else [])
 
     @property
     def mean_acceptance_length(self) -> float:
