@@ -44,8 +44,11 @@ class SpeculativeConfig:
     @classmethod
     def from_user(cls, value: Any) -> SpeculativeConfig | None:
         """A JSON string, a dict, a ``SpeculativeConfig`` or None (no speculation)."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
+        if value is None:
+            return None
+        if isinstance(value, SpeculativeConfig):  # built by hand: checked as a dict would be
+            value.validate()
+            return value.with_defaults()
         if isinstance(value, str):
             try:
                 value = json.loads(value)
