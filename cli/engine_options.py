@@ -42,8 +42,10 @@ def with_engine_options(command):
             flag = f"{flag}/--no-{field.name.replace('_', '-')}"
         option = typer.Option(field.default, flag, *_SHORT_FLAGS.get(field.name, []), help=field.metadata.get("help"),
                               rich_help_panel="Engine options", show_default=True)
+        # A JSON-valued option (speculative_config) is a string on the command line.
+        annotation = str | None if field.metadata.get("json") else hints[field.name]
         parameters.append(inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY,
-                                            default=option, annotation=hints[field.name]))
+                                            default=option, annotation=annotation))
 
     @functools.wraps(command)
     def wrapper(**kwargs):

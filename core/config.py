@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from weir.spec_decode.config import PER_REQUEST_METRICS_LEVELS, SpeculativeConfig
+
 if TYPE_CHECKING:
     import torch
 
@@ -114,6 +116,11 @@ class EngineConfig:
     seed: int
     max_logprobs: int
     enforce_eager: bool
+    # Speculative decoding (weir.spec_decode): None, or what the user asked; the draft's config for
+    # methods with a draft checkpoint; how much of it responses report.
+    speculative: Any = None  # weir.spec_decode.config.SpeculativeConfig
+    draft_model: ModelConfig | None = None
+    per_request_spec_decode_metrics: str = "none"
 
 
 def _help(text: str) -> dict:
@@ -171,6 +178,13 @@ class EngineArgs:
     seed: int = field(default=0, metadata=_help("seed for requests that set none"))
     max_logprobs: int = field(default=20, metadata=_help("most top logprobs a request may ask for"))
     enforce_eager: bool = field(default=False, metadata=_help("no graphs"))
+    speculative_config: dict | str | None = field(default=None, metadata={**_help(
+        "speculative decoding as a JSON object, named as vLLM names it: method (ngram, draft_model, eagle, eagle3, "
+        "mtp), num_speculative_tokens, prompt_lookup_max/min (ngram), model (draft checkpoint), "
+        "disable_by_batch_size; Weir's adaptive (true) and verification_cost (0.1)"), "json": True})
+    per_request_spec_decode_metrics: str = field(default="none", metadata=_help(
+        "none, summary or detailed: add each request's speculative-decoding acceptance (vLLM's "
+        "metrics.speculative_decoding object) to chat and completion responses; detailed adds every step's counts"))
     disable_log_requests: bool = field(default=False, metadata=_help(
         "accepted so vLLM command lines run: Weir writes no log line per request, so there is nothing to turn off"))
     trust_remote_code: bool = field(default=False, metadata=_help(
@@ -205,6 +219,7 @@ class EngineArgs:
         from weir.tokenizer import load_chat_template
 
         self._validate()
+        speculative = SpeculativeConfig.from_user(self.speculative_config)
         if self.trust_remote_code:
             logger.warning("trust_remote_code has no effect: Weir runs its own model code (plugins), never a "
                            "checkpoint's")
@@ -247,7 +262,9 @@ class EngineArgs:
             parallel=ParallelConfig(self.tensor_parallel_size),
             device=self.device, attention_backend=self.attention_backend,
             moe_backend=self.moe_backend, seed=self.seed, max_logprobs=self.max_logprobs,
-            enforce_eager=self.enforce_eager,
+            enforce_eager=self.enforce_eager, speculative=speculative,
+            draft_model=_draft_model_config(speculative, model_cfg, self.load_format),
+            per_request_spec_decode_metrics=self.per_request_spec_decode_metrics,
         )
 
     def _check_types(self) -> None:
@@ -294,6 +311,13 @@ class EngineArgs:
             for name in ("tokenizer", "chat_template"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} needs a tokenizer, but skip_tokenizer_init loads none: drop one of them")
+        if self.per_request_spec_decode_metrics not in PER_REQUEST_METRICS_LEVELS:
+            raise ValueError(f"per_request_spec_decode_metrics must be one of {', '.join(PER_REQUEST_METRICS_LEVELS)}, "
+                             f"got {self.per_request_spec_decode_metrics!r}")
+        if self.speculative_config is not None and not isinstance(self.speculative_config,
+                                                                  (dict, str, SpeculativeConfig)):
+            raise ValueError(f"speculative_config must be a dict or a JSON string, got "
+                             f"{type(self.speculative_config).__name__}")
         if self.generation_config not in ("auto", "none", "vllm") and not os.path.isdir(self.generation_config):
             raise ValueError(f"generation_config must be auto, none (or vllm) or a folder holding a "
                              f"generation_config.json, got {self.generation_config!r}")
@@ -315,6 +339,36 @@ def _as_kind(kind: str, value: Any, paths_allowed: bool) -> Any:
     if isinstance(value, str):
         return value
     return os.fspath(value) if paths_allowed and isinstance(value, os.PathLike) else None
+
+
+def _draft_model_config(speculative: SpeculativeConfig | None, target: ModelConfig,
+                        load_format: str) -> ModelConfig | None:
+    """The draft checkpoint's config (draft_model, eagle, eagle3), run in the target's dtype and
+    context; a draft whose vocabulary is not the target's is an error here, at start-up."""
+    if speculative is None or speculative.model is None:
+        return None
+    from weir.model_files import resolve_model_files
+
+    try:
+        files = resolve_model_files(speculative.model, None)
+    except FileNotFoundError as error:
+        raise ValueError(f"speculative_config.model: {error}") from error
+    _check_load_format(load_format, files.weights_path)
+    vocab_size = getattr(files.hf_config, "vocab_size", None)
+    if vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config.model {speculative.model!r} has a vocabulary of {vocab_size} tokens, "
+                         f"the target {target.model!r} one of {target.vocab_size}: a draft must share the target's "
+                         f"vocabulary")
+    draft_max = int(getattr(files.hf_config, "max_position_embeddings", 0) or 0) or target.max_model_len
+    if speculative.method == "draft_model" and draft_max < target.max_model_len:
+        raise ValueError(f"speculative_config.model {speculative.model!r} has max_position_embeddings={draft_max}, "
+                         f"shorter than max_model_len={target.max_model_len}: the draft must cover the whole context "
+                         f"(lower max_model_len)")
+    return ModelConfig(
+        model=files.display_name, weights_path=files.weights_path, tokenizer_path=files.tokenizer_path,
+        architecture=files.architecture, hf_config=files.hf_config, dtype=target.dtype,
+        max_model_len=target.max_model_len, eos_token_ids=target.eos_token_ids,
+        served_model_name=files.display_name, load_format=load_format, skip_tokenizer_init=True, gguf=files.gguf)
 
 
 def _check_load_format(load_format: str, weights_path: Path) -> None:

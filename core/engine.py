@@ -27,6 +27,7 @@ from weir.sampling_params import SamplingParams
 from weir.scheduler import Scheduler
 from weir.scheduler.scheduler import RequestUpdate
 from weir.selection import backend_names
+from weir.spec_decode.scheduling import SpecScheduling
 from weir.tokenizer import encode_prompt, start_loading_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ class _Parent:
                 index=child.index, text=child.detokenizer.visible_text(request.is_finished),
                 token_ids=list(request.output_token_ids), cumulative_logprob=child.cumulative_logprob,
                 logprobs=child.logprobs, finish_reason=finish_reason, stop_reason=request.stop_reason,
+                spec_decode_metrics=(None if request.spec_stats is None
+                                     else request.spec_stats.copy(with_steps=request.is_finished)),
             ))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished,
                              self.children[0].request.num_cached_tokens)
@@ -72,7 +75,7 @@ class _Parent:
 class LLMEngine:
     def __init__(self, config: EngineConfig, platform, model_cls: type,
                  choose_attention_backends: Callable[[set[str]], dict[str, type]],
-                 choose_moe_backend: Callable[[], type]):
+                 choose_moe_backend: Callable[[], type], resolve_model: Callable[[str], type] | None = None):
         """The choosers run once the model is built: ``choose_attention_backends(layer_kinds) ->
         {kind: backend class}`` (``PluginRegistry.select_attention_backends``), and
         ``choose_moe_backend()`` only for models with MoE layers."""
@@ -82,14 +85,19 @@ class LLMEngine:
         # The tokenizer loads in a thread beside the model's load and warm-up (both need only the config).
         with ThreadPoolExecutor(1, thread_name_prefix="weir-tokenizer") as pool:
             tokenizer = start_loading_tokenizer(config.model, pool)
-            self.runner = ModelRunner(config, platform, model_cls, choose_attention_backends, choose_moe_backend)
+            self.runner = ModelRunner(config, platform, model_cls, choose_attention_backends, choose_moe_backend,
+                                      resolve_model)
             self.tokenizer = tokenizer.result()
         prefix_caching = self._prefix_caching_switch()
         kv_cache = KVCacheManager(config.cache.block_size, self.runner.kv_group_configs(), prefix_caching,
                                   num_state_slots=self.runner.num_state_slots,
                                   num_checkpoint_slots=self.runner.num_checkpoint_slots if prefix_caching else 0,
                                   retention_interval=config.cache.prefix_cache_retention_interval)
-        self.scheduler = Scheduler(config.scheduler, kv_cache)
+        spec = None
+        if config.speculative is not None:
+            spec = SpecScheduling(config.speculative, config.scheduler.max_model_len,
+                                  detailed_stats=config.per_request_spec_decode_metrics == "detailed")
+        self.scheduler = Scheduler(config.scheduler, kv_cache, spec)
         self._rng = random.Random(config.seed)
         self._busy = False  # whether the last step left work behind (see step: the idle check)
         self._in_flight: deque = deque()
@@ -154,7 +162,7 @@ class LLMEngine:
         def choose_moe_backend() -> type:
             return registry.select_moe_backend(platform, args.moe_backend)
 
-        return cls(config, platform, model_cls, choose_attention_backends, choose_moe_backend)
+        return cls(config, platform, model_cls, choose_attention_backends, choose_moe_backend, registry.resolve_model)
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -312,17 +320,36 @@ class LLMEngine:
             return None  # aborted meanwhile
         parent, child = entry
         request = update.request
-        shown_ids, output_ids = update.new_token_ids, request.output_token_ids
+        new_ids, new_logprobs = list(update.new_token_ids), list(update.new_logprobs)
         stopped_on_token = request.status == RequestStatus.FINISHED_STOPPED and not isinstance(request.stop_reason, str)
-        if stopped_on_token and shown_ids and not request.sampling_params.include_stop_str_in_output:
-            # As vLLM: the EOS or stop token that ended the completion stays in token_ids, not in the text.
-            shown_ids, output_ids = shown_ids[:-1], output_ids[:-1]
-        for token_id in shown_ids:
+        # As vLLM: the EOS or stop token that ended the completion stays in token_ids, not in the text.
+        hide_last = stopped_on_token and bool(new_ids) and not request.sampling_params.include_stop_str_in_output
+        stop = None
+        # Several tokens arrive at once under speculative decoding: a stop string completed by
+        # one of them drops the ones after it (the scheduler's stop token among them).
+        for count, token_id in enumerate(new_ids[:-1] if hide_last else new_ids, start=1):
             child.detokenizer.append(token_id)
+            stop = child.detokenizer.stop_string_hit
+            if stop is not None:
+                dropped = len(new_ids) - count
+                if dropped:
+                    del request.output_token_ids[-dropped:]
+                    new_ids, new_logprobs, hide_last = new_ids[:count], new_logprobs[:count], False
+                break
+        if stop is not None:
+            if not request.is_finished:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
+            else:
+                # Stopped for length (or on a token after it): the stop string came first, so it is a stop.
+                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
         if request.is_finished:
             # A character the last tokens left unfinished still shows.
-            child.detokenizer.finish(output_ids)
-        for ids, values, rank in update.new_logprobs:
+            output_ids = request.output_token_ids
+            child.detokenizer.finish(output_ids[:-1] if hide_last else output_ids)
+            late_stop = child.detokenizer.stop_string_hit  # completed by the text finish() released
+            if stop is None and late_stop is not None and request.status == RequestStatus.FINISHED_LENGTH:
+                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, late_stop
+        for ids, values, rank in new_logprobs:
             entry_logprobs = {}
             for position, (token_id, value) in enumerate(zip(ids, values)):
                 if token_id in entry_logprobs:
@@ -331,10 +358,4 @@ class LLMEngine:
                                                    self._decoded_token(token_id))
             child.logprobs.append(entry_logprobs)
             child.cumulative_logprob += values[0]
-        stop = child.detokenizer.stop_string_hit
-        if stop is not None and not request.is_finished:
-            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
-        elif stop is not None and request.status == RequestStatus.FINISHED_LENGTH:
-            # The stop string completed on the last allowed token: the text was cut, so it is a stop.
-            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
         return parent

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -27,6 +28,9 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
     # The stop string or stop token id that ended it; None for EOS, length or abort.
     stop_reason: int | str | None = None
+    # Speculative decoding's acceptance counts of this completion so far
+    # (weir.spec_decode.stats.RequestSpecStats; None without speculation).
+    spec_decode_metrics: Any = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from weir.kv_cache.block_pool import ROOT_HASH, hash_block
 from weir.sampling_params import SamplingParams
@@ -45,6 +46,12 @@ class Request:
     # Chained hashes of the full blocks of known tokens (the KV manager holds the blocks themselves).
     block_hashes: list[bytes] = field(default_factory=list)
     state_slot: int | None = None  # linear-attention state slot while running (hybrid models)
+    # Speculative decoding (weir.spec_decode): drafts wait on the device for this request's next
+    # step (its last step sampled, and proposing followed); how many drafts its steps verify;
+    # its acceptance counts (None without speculation).
+    drafts_ready: bool = False
+    adaptive: Any = None  # weir.spec_decode.adaptive.AdaptiveDrafts
+    spec_stats: Any = None  # weir.spec_decode.stats.RequestSpecStats
 
     @property
     def num_prompt_tokens(self) -> int:

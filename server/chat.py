@@ -13,6 +13,7 @@ from weir.server.logprobs import TokenBytes, chat_logprobs
 from weir.server.protocol import ChatCompletionRequest, template_kwargs
 from weir.server.reasoning import ReasoningStream, parse_reasoning
 from weir.server.shapes import ResponseHeader, engine_error, finish_reason, usage
+from weir.server.spec_metrics import speculative_metrics
 from weir.server.state import ServerState, new_request_id
 from weir.server.streaming import DONE_EVENT, EventStreamResponse, final_outputs, sse_event
 from weir.server.tool_calls import ToolCallStream, parse_tool_calls
@@ -41,10 +42,15 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
                                    max_tokens_param=explicit_max)
     if chat.stream:
         header.object = "chat.completion.chunk"
-        events = _events(chat, header, generation, state.token_bytes, settings.reasoning_parser)
+        events = _events(chat, header, generation, state.token_bytes, settings.reasoning_parser,
+                         state.spec_metrics_level)
         return EventStreamResponse(events, on_close=generation.close)
     output = await final_outputs(request.receive, generation.final(), generation.close)
-    return JSONResponse(_response_body(chat, header, output, state.token_bytes, settings.reasoning_parser))
+    body = _response_body(chat, header, output, state.token_bytes, settings.reasoning_parser)
+    metrics = speculative_metrics(state.spec_metrics_level, [output])
+    if metrics is not None:
+        body["metrics"] = metrics
+    return JSONResponse(body)
 
 
 def _logprobs(chat: ChatCompletionRequest, completion: CompletionOutput, start: int,
@@ -124,13 +130,14 @@ def _response_body(chat: ChatCompletionRequest, header: ResponseHeader, output: 
 
 
 async def _events(chat: ChatCompletionRequest, header: ResponseHeader, generation: Generation,
-                  token_bytes: TokenBytes, reasoning_parser: str | None):
+                  token_bytes: TokenBytes, reasoning_parser: str | None, spec_metrics_level: str = "none"):
     extra = {"usage": None} if chat.include_usage else {}
 
     def chunk(index: int, delta: dict, logprobs: dict | None = None, reason: str | None = None,
-              stop_reason: int | str | None = None) -> bytes:
+              stop_reason: int | str | None = None, metrics: dict | None = None) -> bytes:
+        more = {} if metrics is None else {"metrics": metrics}
         return sse_event(header.body([{"index": index, "delta": delta, "logprobs": logprobs,
-                                       "finish_reason": reason, "stop_reason": stop_reason}], **extra))
+                                       "finish_reason": reason, "stop_reason": stop_reason}], **extra, **more))
 
     num_choices = chat.n
     sent_text, sent_tokens, done = [""] * num_choices, [0] * num_choices, [False] * num_choices
@@ -153,12 +160,17 @@ async def _events(chat: ChatCompletionRequest, header: ResponseHeader, generatio
                 sent_text[index], sent_tokens[index] = completion.text, num_tokens
                 if finished:
                     done[index] = True
+                    # The response's metrics ride on its final chunk: this one, unless usage follows.
+                    last = all(done) and not chat.include_usage
                     yield chunk(index, {}, reason=_choice_reason(completion, splitters[index].called_tools),
-                                stop_reason=completion.stop_reason)
+                                stop_reason=completion.stop_reason,
+                                metrics=speculative_metrics(spec_metrics_level, [output]) if last else None)
         if chat.include_usage and output is not None:
             num_generated = sum(len(completion.token_ids) for completion in output.outputs)
+            metrics = speculative_metrics(spec_metrics_level, [output])
             yield sse_event(header.body([], usage=usage(len(output.prompt_token_ids), num_generated,
-                                                        output.num_cached_tokens or 0)))
+                                                        output.num_cached_tokens or 0),
+                                        **({} if metrics is None else {"metrics": metrics})))
     except Exception as error:  # headers are sent: the error travels as an event
         yield sse_event(engine_error(error).body())
     finally:

@@ -15,6 +15,7 @@ from weir.server.generation import Generation, merge
 from weir.server.logprobs import completion_logprobs
 from weir.server.protocol import CompletionRequest
 from weir.server.shapes import ResponseHeader, engine_error, finish_reason, usage
+from weir.server.spec_metrics import speculative_metrics
 from weir.server.state import ServerState, new_request_id
 from weir.server.streaming import DONE_EVENT, EventStreamResponse, final_outputs, sse_event
 
@@ -42,7 +43,8 @@ async def create_completion(request: Request, state: ServerState) -> Response:
             generation.close()
 
     if body.stream:
-        return EventStreamResponse(_events(body, header, generations, echoes, token_ids_only), on_close=close_all)
+        return EventStreamResponse(_events(body, header, generations, echoes, token_ids_only,
+                                           state.spec_metrics_level), on_close=close_all)
     outputs = await final_outputs(request.receive, asyncio.gather(*(g.final() for g in generations)), close_all)
     choices, num_prompt_tokens, num_generated, num_cached = [], 0, 0, 0
     for prompt_index, output in enumerate(outputs):
@@ -56,7 +58,9 @@ async def create_completion(request: Request, state: ServerState) -> Response:
             if token_ids_only:  # the ids are the completion: its text is empty
                 choice["token_ids"] = list(completion.token_ids)
             choices.append(choice)
-    return JSONResponse(header.body(choices, usage=usage(num_prompt_tokens, num_generated, num_cached)))
+    metrics = speculative_metrics(state.spec_metrics_level, outputs)
+    extra = {} if metrics is None else {"metrics": metrics}
+    return JSONResponse(header.body(choices, usage=usage(num_prompt_tokens, num_generated, num_cached), **extra))
 
 
 def _check_token_ids_only(body: CompletionRequest) -> None:
@@ -93,7 +97,7 @@ def _logprobs(body: CompletionRequest, completion: CompletionOutput, start: int,
 
 
 async def _events(body: CompletionRequest, header: ResponseHeader, generations: list[Generation],
-                  echoes: list[str], token_ids_only: bool = False):
+                  echoes: list[str], token_ids_only: bool = False, spec_metrics_level: str = "none"):
     extra = {"usage": None} if body.include_usage else {}
     # Per choice (prompt index, completion index): text and tokens sent, text offset, done.
     sent_text: dict[tuple[int, int], str] = {}
@@ -102,11 +106,16 @@ async def _events(body: CompletionRequest, header: ResponseHeader, generations: 
     done: set[tuple[int, int]] = set()
     last_outputs: dict[int, object] = {}
 
-    def chunk(prompt_index, completion, text, logprobs=None, reason=None, new_token_ids=None) -> bytes:
+    def chunk(prompt_index, completion, text, logprobs=None, reason=None, new_token_ids=None, metrics=None) -> bytes:
         choice = _choice(body, prompt_index, completion, text, logprobs, reason)
         if new_token_ids is not None:
             choice["token_ids"] = new_token_ids
-        return sse_event(header.body([choice], **extra))
+        return sse_event(header.body([choice], **extra, **({} if metrics is None else {"metrics": metrics})))
+
+    def final_metrics() -> dict | None:
+        return speculative_metrics(spec_metrics_level, [last_outputs[index] for index in sorted(last_outputs)])
+
+    num_choices = len(generations) * body.n
 
     try:
         async for prompt_index, output in merge(generations):
@@ -132,13 +141,18 @@ async def _events(body: CompletionRequest, header: ResponseHeader, generations: 
                     sent_text[key], sent_tokens[key] = completion.text, num_tokens
                 if completion.finish_reason is not None:
                     done.add(key)
-                    yield chunk(prompt_index, completion, "", reason=finish_reason(completion))
+                    # The response's metrics ride on its final chunk: this one, unless usage follows.
+                    last = len(done) == num_choices and not body.include_usage
+                    yield chunk(prompt_index, completion, "", reason=finish_reason(completion),
+                                metrics=final_metrics() if last else None)
         if body.include_usage:
             outputs = [last_outputs[index] for index in sorted(last_outputs)]
             num_prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
             num_generated = sum(len(c.token_ids) for output in outputs for c in output.outputs)
             num_cached = sum(output.num_cached_tokens or 0 for output in outputs)
-            yield sse_event(header.body([], usage=usage(num_prompt_tokens, num_generated, num_cached)))
+            metrics = final_metrics()
+            yield sse_event(header.body([], usage=usage(num_prompt_tokens, num_generated, num_cached),
+                                        **({} if metrics is None else {"metrics": metrics})))
     except Exception as error:  # headers are sent: the error travels as an event
         yield sse_event(engine_error(error).body())
     finally:

@@ -44,9 +44,13 @@ def read_engine_stats(engine) -> dict:
     """Runs on the engine thread (``AsyncLLMEngine.call``), so it sees a consistent state."""
     scheduler = engine.scheduler
     kv_cache = scheduler.kv_cache
-    return {"num_running": scheduler.num_running, "num_waiting": scheduler.num_waiting,
-            "kv_cache_usage": kv_cache.usage(), "prefix_cache_queries": kv_cache.num_prefix_queries,
-            "prefix_cache_hits": kv_cache.num_prefix_hits, "num_preemptions": scheduler.num_preemptions}
+    stats = {"num_running": scheduler.num_running, "num_waiting": scheduler.num_waiting,
+             "kv_cache_usage": kv_cache.usage(), "prefix_cache_queries": kv_cache.num_prefix_queries,
+             "prefix_cache_hits": kv_cache.num_prefix_hits, "num_preemptions": scheduler.num_preemptions}
+    spec = getattr(scheduler, "spec", None)
+    if spec is not None:
+        stats["spec_decode"] = spec.counters.snapshot()
+    return stats
 
 
 class ServerMetrics:
@@ -85,6 +89,19 @@ class ServerMetrics:
                               registry=registry)
         self.e2e = Histogram("weir:e2e_request_latency_seconds", "Time from arrival to the last token",
                              buckets=E2E_BUCKETS, registry=registry)
+        # Speculative decoding (only while the engine speculates): spec steps, drafts verified,
+        # drafts accepted, and accepted by draft position.
+        self.spec_num_drafts = Counter("weir:spec_decode_num_drafts", "Speculative steps (a request's step that "
+                                       "verified drafts)", registry=registry)
+        self.spec_num_draft_tokens = Counter("weir:spec_decode_num_draft_tokens", "Draft tokens verified",
+                                             registry=registry)
+        self.spec_num_accepted_tokens = Counter("weir:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                                registry=registry)
+        self.spec_accepted_per_pos = Counter("weir:spec_decode_num_accepted_tokens_per_pos", "Draft tokens "
+                                             "accepted at each draft position (0 = the first draft)", ["position"],
+                                             registry=registry)
+        self._spec_counts = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        self._spec_per_position: list[int] = []
         self._engine_counts = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
         self._step_counters = None  # the engine loop's EngineCounters, once follow_engine is called
         self._generation_tokens_counted = 0
@@ -154,6 +171,19 @@ class ServerMetrics:
             # The engine keeps running totals; a counter only moves forward by the difference.
             counter.inc(max(0, stats[name] - self._engine_counts[name]))
             self._engine_counts[name] = max(self._engine_counts[name], stats[name])
+        spec = stats.get("spec_decode")
+        if spec is not None:
+            for name, counter in (("num_drafts", self.spec_num_drafts),
+                                  ("num_draft_tokens", self.spec_num_draft_tokens),
+                                  ("num_accepted_tokens", self.spec_num_accepted_tokens)):
+                counter.inc(max(0, spec[name] - self._spec_counts[name]))
+                self._spec_counts[name] = max(self._spec_counts[name], spec[name])
+            per_position = spec["accepted_per_position"]
+            self._spec_per_position += [0] * (len(per_position) - len(self._spec_per_position))
+            for position, count in enumerate(per_position):
+                self.spec_accepted_per_pos.labels(position=str(position)).inc(
+                    max(0, count - self._spec_per_position[position]))
+                self._spec_per_position[position] = max(self._spec_per_position[position], count)
 
     def render(self) -> tuple[bytes, str]:
         if self._step_counters is not None:
@@ -179,6 +209,13 @@ VLLM_METRIC_NAMES = {
     "tpot": "vllm:request_time_per_output_token_seconds",
     "e2e": "vllm:e2e_request_latency_seconds",
 }
+# The same for speculative decoding's counters (which stay at zero, or unlabelled, without it).
+VLLM_SPEC_METRIC_NAMES = {
+    "spec_num_drafts": "vllm:spec_decode_num_drafts",
+    "spec_num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "spec_num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+    "spec_accepted_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
+}
 
 
 class VllmNames:
@@ -191,7 +228,7 @@ class VllmNames:
         self.labels = {"model_name": model_name, "engine": "0"}
 
     def collect(self):
-        for attribute, vllm_name in VLLM_METRIC_NAMES.items():
+        for attribute, vllm_name in {**VLLM_METRIC_NAMES, **VLLM_SPEC_METRIC_NAMES}.items():
             for family in getattr(self.metrics, attribute).collect():
                 renamed = Metric(vllm_name, family.documentation, family.type, family.unit)
                 for sample in family.samples:

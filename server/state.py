@@ -32,6 +32,8 @@ class ServerState:
         self.max_model_len = config.scheduler.max_model_len
         self.chat_template = config.model.chat_template
         self.sampling_defaults = dict(config.model.sampling_defaults)
+        # none, summary or detailed: what responses report of speculative decoding's acceptance.
+        self.spec_metrics_level = config.per_request_spec_decode_metrics if config.speculative else "none"
         self.tokenizer = self.engine.engine.tokenizer
         self.token_bytes = TokenBytes(self.tokenizer)
         self.version = __version__

@@ -271,3 +271,79 @@ def save_tiny_tokenizer(path: Path, vocab_size: int = TINY_VOCAB_SIZE) -> Path:
         "pad_token": "<pad>", "model_max_length": 512, "chat_template": CHAT_TEMPLATE,
     }, indent=2))
     return path
+
+
+def add_made_up_mtp_weights(path: Path, *, seed: int = 0, source_layer: int = 1) -> Path:
+    """Give a tiny Qwen3-Next checkpoint (``make_tiny_qwen3_next``) an ``mtp.*`` block in the layout
+    of the released checkpoints: ``mtp.fc`` [hidden, 2 hidden], the pre-fc norms and the final norm,
+    and one full-attention decoder layer (``mtp.layers.0``: a perturbed copy of full-attention layer
+    ``source_layer``), in a shard of its own that the index lists beside the model's."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    tensors = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed)
+    hidden = next(t for n, t in tensors.items() if n == "model.embed_tokens.weight").shape[1]
+    prefix = f"model.layers.{source_layer}."
+    mtp = {}
+    for name, tensor in tensors.items():
+        if name.startswith(prefix):
+            noise = torch.randn(tensor.shape, generator=gen) * 0.05 * (tensor.std() if tensor.numel() > 1 else 1)
+            mtp["mtp.layers.0." + name[len(prefix):]] = (tensor + noise).contiguous()
+    mtp["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) * 0.1
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{norm}.weight"] = torch.randn(hidden, generator=gen) * 0.1  # zero-centred: (1 + w)
+    save_file(mtp, path / "mtp.safetensors")
+    weight_map = {name: "model.safetensors" for name in tensors} | {name: "mtp.safetensors" for name in mtp}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path
+
+
+def make_tiny_eagle(path: Path, target_path: Path, *, eagle3: bool = False, seed: int = 0,
+                    draft_vocab_size: int = 200, aux_layers: list[int] | None = None) -> Path:
+    """A random EAGLE (or EAGLE-3) head for the tiny Llama at ``target_path``, in the layout vLLM
+    loads: EAGLE ``fc`` [H, 2H] and ``layers.0.*`` without an input norm (the target's embedding
+    and LM head are shared); EAGLE-3 ``fc`` [H, 3H], ``midlayer.*`` (q/k/v from 2H),
+    ``norm``, its own ``lm_head`` over ``draft_vocab_size`` ids and ``d2t`` / ``t2d`` maps."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = AutoConfig.from_pretrained(target_path)
+    config.num_hidden_layers = 1
+    config.architectures = ["Eagle3LlamaForCausalLM" if eagle3 else "EagleLlamaForCausalLM"]
+    hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    head_dim = hidden // heads
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=0.1):
+        return (torch.randn(shape, generator=gen) * scale).contiguous()
+
+    def norm():
+        return 1.0 + rand(hidden)
+
+    attn_in = 2 * hidden if eagle3 else hidden
+    layer = {"self_attn.q_proj.weight": rand(heads * head_dim, attn_in), "self_attn.k_proj.weight": rand(kv_heads * head_dim, attn_in),
+             "self_attn.v_proj.weight": rand(kv_heads * head_dim, attn_in), "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+             "mlp.gate_proj.weight": rand(config.intermediate_size, hidden), "mlp.up_proj.weight": rand(config.intermediate_size, hidden),
+             "mlp.down_proj.weight": rand(hidden, config.intermediate_size), "post_attention_layernorm.weight": norm()}
+    if eagle3:
+        tensors = {f"midlayer.{name}": t for name, t in layer.items()}
+        tensors |= {"midlayer.input_layernorm.weight": norm(), "midlayer.hidden_norm.weight": norm(),
+                    "fc.weight": rand(hidden, 3 * hidden), "norm.weight": norm(),
+                    "lm_head.weight": rand(draft_vocab_size, hidden, scale=0.5)}
+        targets = torch.randperm(config.vocab_size, generator=gen)[:draft_vocab_size].sort().values
+        tensors["d2t"] = targets - torch.arange(draft_vocab_size)
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[targets] = True
+        tensors["t2d"] = t2d
+        config.draft_vocab_size = draft_vocab_size
+        if aux_layers is not None:
+            config.eagle_aux_hidden_state_layer_ids = aux_layers
+    else:
+        tensors = {f"layers.0.{name}": t for name, t in layer.items()}
+        tensors["fc.weight"] = rand(hidden, 2 * hidden)
+    save_file(tensors, path / "model.safetensors")
+    config.save_pretrained(path)
+    return path

@@ -136,33 +136,42 @@ def _block_tables_kernel(
             tl.store(slot_mapping_ptr + token, slot, mask=in_req)
 
 
-@triton.jit(do_not_specialize=["num_reqs"])
+@triton.jit(do_not_specialize=["num_reqs", "width"])
 def _post_update_kernel(
     token_ids_ptr, token_ids_stride,  # [R, max_model_len]
     num_tokens_ptr, num_computed_ptr,  # [R]
     counts_ptr, counts_stride,  # [R, V] (when HAS_COUNTS)
-    idx_mapping_ptr, query_lens_ptr, sampled_ptr,  # [B]
-    num_reqs, max_model_len,
-    HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr,
+    idx_mapping_ptr, query_lens_ptr,  # [B]
+    sampled_ptr, sampled_stride,  # [B, width]
+    num_emitted_ptr, num_rejected_ptr,  # [B] (when SPEC)
+    num_reqs, width, max_model_len,
+    HAS_COUNTS: tl.constexpr, SPEC: tl.constexpr, BLOCK: tl.constexpr,
 ):
     req = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     row = tl.load(idx_mapping_ptr + req, mask=req < num_reqs, other=-1).to(tl.int64)
     has_row = row >= 0
     query_len = tl.load(query_lens_ptr + req, mask=has_row, other=0)
     computed = tl.load(num_computed_ptr + row, mask=has_row, other=0) + query_len
-    tl.store(num_computed_ptr + row, computed.to(num_computed_ptr.dtype.element_ty), mask=has_row)
     known = tl.load(num_tokens_ptr + row, mask=has_row, other=0)
     is_new = has_row & (computed >= known)
-    sampled = tl.load(sampled_ptr + req, mask=is_new, other=0).to(tl.int64)
-    # A token sampled at max_model_len is returned but never fed back, so it is not stored.
-    writable = is_new & (known < max_model_len)
-    tl.store(token_ids_ptr + row * token_ids_stride + known, sampled.to(token_ids_ptr.dtype.element_ty),
-             mask=writable)
-    tl.store(num_tokens_ptr + row, known + is_new.to(known.dtype), mask=has_row)
-    if HAS_COUNTS:
-        count_ptr = counts_ptr + row * counts_stride + sampled
-        count = tl.load(count_ptr, mask=is_new, other=0)
-        tl.store(count_ptr, count + 1, mask=is_new)
+    if SPEC:
+        emitted = tl.load(num_emitted_ptr + req, mask=is_new, other=0).to(known.dtype)
+        computed -= tl.load(num_rejected_ptr + req, mask=has_row, other=0).to(computed.dtype)
+    else:
+        emitted = is_new.to(known.dtype)
+    tl.store(num_computed_ptr + row, computed.to(num_computed_ptr.dtype.element_ty), mask=has_row)
+    for col in range(0, width):
+        appended = col < emitted
+        sampled = tl.load(sampled_ptr + req * sampled_stride + col, mask=appended, other=0).to(tl.int64)
+        position = known + col
+        # A token sampled at max_model_len is returned but never fed back, so it is not stored.
+        tl.store(token_ids_ptr + row * token_ids_stride + position,
+                 sampled.to(token_ids_ptr.dtype.element_ty), mask=appended & (position < max_model_len))
+        if HAS_COUNTS:
+            count_ptr = counts_ptr + row * counts_stride + sampled
+            count = tl.load(count_ptr, mask=appended, other=0)
+            tl.store(count_ptr, count + 1, mask=appended)
+    tl.store(num_tokens_ptr + row, known + emitted, mask=has_row)
 
 
 @triton.jit(do_not_specialize=["num_writes"])
@@ -242,14 +251,17 @@ def gather_block_tables_and_slot_mapping_triton(block_tables, idx_mapping, query
 
 
 def post_update_triton(token_ids, num_tokens, num_computed_tokens, output_token_counts, idx_mapping,
-                       query_lens, sampled_token_ids) -> None:
+                       query_lens, sampled_token_ids, num_emitted=None, num_rejected=None) -> None:
     num_reqs = idx_mapping.shape[0]
     has_counts = output_token_counts is not None
     counts = output_token_counts if has_counts else num_tokens
+    spec = num_emitted is not None
+    sampled = sampled_token_ids.view(num_reqs, -1)  # [B, width]
     _post_update_kernel[(triton.cdiv(num_reqs, REQ_BLOCK),)](
         token_ids, token_ids.stride(0), num_tokens, num_computed_tokens,
-        counts, counts.stride(0), idx_mapping, query_lens, sampled_token_ids,
-        num_reqs, token_ids.shape[1], HAS_COUNTS=has_counts, BLOCK=REQ_BLOCK)
+        counts, counts.stride(0), idx_mapping, query_lens, sampled, sampled.stride(0),
+        num_emitted if spec else query_lens, num_rejected if spec else query_lens,
+        num_reqs, sampled.shape[1], token_ids.shape[1], HAS_COUNTS=has_counts, SPEC=spec, BLOCK=REQ_BLOCK)
 
 
 def scatter_flat_triton(target: torch.Tensor, flat_index: torch.Tensor, values: torch.Tensor) -> None:

@@ -3,9 +3,15 @@
 On an accelerator the copy runs on a side stream after the main stream's work, and only
 ``get()`` waits for it; the engine calls ``get()`` after it has already launched the next
 step, so the host reads step N while the device runs step N+1.
+
+A speculative step (``spec=True``) brings back each request's emitted tokens ``[B, S]`` with
+their count and the drafts it verified; ``on_host`` then sees the result first (the runner
+corrects its host mirror of computed tokens by the rejected drafts, a step late).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -15,9 +21,13 @@ from weir.scheduler.scheduler import SampledTokens
 class AsyncOutput:
     def __init__(self, req_ids: list[str], sampled: torch.Tensor, logprob_ids: torch.Tensor | None,
                  logprobs: torch.Tensor | None, ranks: torch.Tensor | None,
-                 copy_stream: "torch.cuda.Stream | None"):
+                 copy_stream: "torch.cuda.Stream | None", num_emitted: torch.Tensor | None = None,
+                 num_verified: torch.Tensor | None = None,
+                 on_host: Callable[[SampledTokens], None] | None = None):
         self.req_ids = req_ids
-        tensors = [t for t in (sampled, logprob_ids, logprobs, ranks)]
+        self.spec = num_emitted is not None
+        self.on_host = on_host
+        tensors = [sampled, logprob_ids, logprobs, ranks, num_emitted, num_verified]
         self._event = None
         if copy_stream is None:
             self._host = tensors
@@ -35,14 +45,24 @@ class AsyncOutput:
     def get(self) -> SampledTokens:
         if self._event is not None:
             self._event.synchronize()
-        sampled, logprob_ids, logprobs, ranks = self._host
-        return SampledTokens(
-            req_ids=self.req_ids,
-            sampled_token_ids=sampled.tolist(),
-            logprob_token_ids=None if logprob_ids is None else logprob_ids.tolist(),
-            logprobs=None if logprobs is None else logprobs.tolist(),
-            logprob_ranks=None if ranks is None else ranks.tolist(),
-        )
+        sampled, logprob_ids, logprobs, ranks, num_emitted, num_verified = self._host
+
+        def as_list(tensor):
+            return None if tensor is None else tensor.tolist()
+
+        if not self.spec:
+            return SampledTokens(req_ids=self.req_ids, sampled_token_ids=sampled.tolist(),
+                                 logprob_token_ids=as_list(logprob_ids), logprobs=as_list(logprobs),
+                                 logprob_ranks=as_list(ranks))
+        counts = num_emitted.tolist()
+        result = SampledTokens(
+            req_ids=self.req_ids, sampled_token_ids=None,
+            spec_token_ids=[row[:count] for row, count in zip(sampled.tolist(), counts)],
+            num_verified_drafts=num_verified.tolist(), logprob_token_ids=as_list(logprob_ids),
+            logprobs=as_list(logprobs), logprob_ranks=as_list(ranks))
+        if self.on_host is not None:
+            self.on_host(result)
+        return result
 
 
 def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:

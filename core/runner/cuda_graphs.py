@@ -1,7 +1,11 @@
 """CUDA graphs for decode-only batches.
 
 A decode batch of ``num_reqs`` requests (one query token each) is padded to the next captured
-size and replayed from a graph holding the whole model forward and the logits. The graphs read
+size and replayed from a graph holding the whole model forward and the logits. Under speculative
+decoding a second family of graphs has ``width = 1 + num_speculative_tokens`` token slots per
+request (vLLM's uniform decode with drafts): any batch whose requests each have at most that many
+tokens replays one, the tokens past its last request belonging to none (slot -1); those graphs
+give the hidden states, the logits of the rows verification needs being taken after. The graphs read
 the runner's persistent input buffers (``weir.runner.input_buffers``), which the input-prep
 kernels fill before each replay. Padding requests point at the request table's spare row, whose
 block tables are all null block, so they read and write only the null block (and, in hybrid
@@ -48,17 +52,22 @@ class CudaGraphs:
     def __init__(self, device: torch.device, capture_sizes: list[int]):
         self.device = device
         self.capture_sizes = sorted(capture_sizes)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._captured: list[int] = []  # sizes with a graph, ascending
-        self.logits: dict[int, torch.Tensor] = {}  # each graph's output, [size, vocab]
+        self.graphs: dict = {}  # by size, or (size, width) for graphs of width > 1
+        self._captured: dict[int, list[int]] = {}  # width -> sizes with a graph, ascending
+        self.logits: dict = {}  # each graph's output: logits [size, vocab], or what its forward returned
         self.pool_bytes = 0
         self._pool = None
         self._stream = None
 
-    def padded_size(self, num_reqs: int) -> int | None:
-        """The smallest captured batch size that holds ``num_reqs`` requests, or None."""
-        index = bisect.bisect_left(self._captured, num_reqs)
-        return self._captured[index] if index < len(self._captured) else None
+    def padded_size(self, num_reqs: int, width: int = 1) -> int | None:
+        """The smallest captured batch size of this width that holds ``num_reqs`` requests, or None."""
+        captured = self._captured.get(width, [])
+        index = bisect.bisect_left(captured, num_reqs)
+        return captured[index] if index < len(captured) else None
+
+    @staticmethod
+    def key(batch_size: int, width: int = 1):
+        return batch_size if width == 1 else (batch_size, width)
 
     @contextlib.contextmanager
     def capturing(self, eager_first: bool):
@@ -81,22 +90,25 @@ class CudaGraphs:
                     self.capture_sizes[-1], ", each run eagerly first" if eager_first else "",
                     time.perf_counter() - start, self.pool_bytes / 2**30)
 
-    def capture(self, batch_size: int, forward: Callable[[], torch.Tensor]) -> None:
-        """Record ``forward()`` (returning logits [batch_size, vocab]) as the graph of this size."""
+    def capture(self, batch_size: int, forward: Callable[[], torch.Tensor], width: int = 1) -> None:
+        """Record ``forward()`` (returning logits [batch_size, vocab], or any tensors the caller
+        reads after a replay) as the graph of this size and width."""
         graph = torch.cuda.CUDAGraph()
         main_stream = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(main_stream)
         with torch.cuda.stream(self._stream):
             graph.capture_begin(pool=self._pool)
             try:
-                self.logits[batch_size] = forward()
+                self.logits[self.key(batch_size, width)] = forward()
             finally:
                 graph.capture_end()
         main_stream.wait_stream(self._stream)
-        self.graphs[batch_size] = graph
-        bisect.insort(self._captured, batch_size)
+        self.graphs[self.key(batch_size, width)] = graph
+        bisect.insort(self._captured.setdefault(width, []), batch_size)
 
-    def replay(self, batch_size: int) -> torch.Tensor:
-        """Run the graph of this size on the input buffers' current contents; returns its logits."""
-        self.graphs[batch_size].replay()
-        return self.logits[batch_size]
+    def replay(self, batch_size: int, width: int = 1):
+        """Run the graph of this size and width on the input buffers' current contents; returns its
+        output (the captured forward's)."""
+        key = self.key(batch_size, width)
+        self.graphs[key].replay()
+        return self.logits[key]

@@ -31,6 +31,15 @@ class StepPlan:
     max_query_len: int
     max_seq_len: int  # max_model_len for graph batches: a graph must serve any length
     graph_size: int | None  # the CUDA graph this step replays or captures, if any
+    num_drafts: np.ndarray | None = None  # [num_reqs] drafts each request verifies (speculative decoding)
+    # Device token index of every logits row (speculative decoding: a verifying request's every
+    # token); None: each request's last token.
+    logits_indices: torch.Tensor | None = None
+    graph_width: int = 1  # token slots per request of the graph (1 + drafts under speculation)
+
+    @property
+    def has_drafts(self) -> bool:
+        return self.num_drafts is not None and bool(self.num_drafts.any())
 
     @property
     def num_reqs(self) -> int:
@@ -41,27 +50,32 @@ class StepPlan:
         return len(self.padded_rows)
 
 
-def plan_step(out: SchedulerOutput, table: RequestTable, graph_size: Callable[[int], int | None],
+def plan_step(out: SchedulerOutput, table: RequestTable, graph_size: Callable[[int, int], tuple[int, int] | None],
               max_model_len: int) -> StepPlan:
-    """Batch order, rows and lengths of one step; ``graph_size(num_reqs)`` is the CUDA graph a
-    decode batch of that many requests runs in (None: eager). A graph batch is padded with the
-    table's padding row, each padding request owning one token."""
+    """Batch order, rows and lengths of one step; ``graph_size(num_reqs, max_query_len)`` is the
+    CUDA graph (size, width) a batch of that many requests runs in (None: eager). A graph batch
+    is padded with the table's padding row, each padding request owning one token; a graph of
+    width ``w`` runs ``size * w`` tokens, those past the last request belonging to none."""
     req_ids = list(out.num_scheduled_tokens)  # batch order
     num_reqs = len(req_ids)
     rows = np.array([table.row_of[req_id] for req_id in req_ids], dtype=np.int64)
     query_lens = np.array([out.num_scheduled_tokens[req_id] for req_id in req_ids], dtype=np.int64)
     max_query_len = int(query_lens.max())
     max_seq_len = int((table.num_computed_host[rows] + query_lens).max())
-    size = graph_size(num_reqs) if max_query_len == 1 else None
+    num_drafts = np.array([out.num_draft_tokens.get(req_id, 0) for req_id in req_ids], dtype=np.int64)
+    graph = graph_size(num_reqs, max_query_len)
+    size, width = graph if graph is not None else (None, 1)
     if size is not None:
         max_seq_len = max_model_len  # baked into the graph's launches: any length must fit
+        max_query_len = width
     padded_rows = np.full(size or num_reqs, table.padding_row, dtype=np.int64)
     padded_rows[:num_reqs] = rows
     query_start_loc = np.arange(len(padded_rows) + 1, dtype=np.int32)
     np.cumsum(query_lens, out=query_start_loc[1: num_reqs + 1])
     query_start_loc[num_reqs + 1:] += query_start_loc[num_reqs] - num_reqs
-    return StepPlan(req_ids, rows, query_lens, padded_rows, query_start_loc, int(query_start_loc[-1]),
-                    max_query_len, max_seq_len, size)
+    num_tokens = int(query_start_loc[-1]) if width == 1 else size * width
+    return StepPlan(req_ids, rows, query_lens, padded_rows, query_start_loc, num_tokens,
+                    max_query_len, max_seq_len, size, num_drafts, graph_width=width)
 
 
 class InputBuffers:

@@ -162,41 +162,57 @@ def post_update(
     output_token_counts: torch.Tensor | None,  # [R, V]
     idx_mapping: torch.Tensor,  # [B]; -1 = padding, left untouched
     query_lens: torch.Tensor,  # [B]
-    sampled_token_ids: torch.Tensor,  # [B] int64
+    sampled_token_ids: torch.Tensor,  # [B] int64, or [B, S] with speculative decoding
+    num_emitted: torch.Tensor | None = None,  # [B]: tokens of each row of sampled_token_ids to append
+    num_rejected: torch.Tensor | None = None,  # [B]: drafts the step computed and rejected
 ) -> None:
-    """After sampling: advance progress, and append the sampled token where it is real.
+    """After sampling: advance progress, and append the sampled tokens where they are real.
 
     A sample is real when the row's chunk reached its last known token; for a partial
-    prefill chunk it is dropped here and on the host alike. Real rows must be distinct.
+    prefill chunk it is dropped here and on the host alike. With speculative decoding a row
+    appends its first ``num_emitted`` tokens (accepted drafts, then the sampled one) and its
+    computed tokens advance by the query length less its rejected drafts, whose KV slots later
+    steps overwrite. Real rows must be distinct.
     """
+    if (num_emitted is None) != (num_rejected is None) or (num_emitted is None) != (sampled_token_ids.dim() == 1):
+        raise ValueError("post_update takes [B] samples alone, or [B, S] samples with num_emitted and num_rejected")
     if use_triton(token_ids):
         _kernels().post_update_triton(token_ids, num_tokens, num_computed_tokens, output_token_counts,
-                                      idx_mapping, query_lens, sampled_token_ids)
+                                      idx_mapping, query_lens, sampled_token_ids, num_emitted, num_rejected)
     else:
         post_update_torch(token_ids, num_tokens, num_computed_tokens, output_token_counts, idx_mapping,
-                          query_lens, sampled_token_ids)
+                          query_lens, sampled_token_ids, num_emitted, num_rejected)
 
 
 def post_update_torch(token_ids, num_tokens, num_computed_tokens, output_token_counts, idx_mapping,
-                      query_lens, sampled_token_ids) -> None:
+                      query_lens, sampled_token_ids, num_emitted=None, num_rejected=None) -> None:
     # Padding entries alias row 0 after the clamp; every write below adds a delta (zero for
     # padding) instead of assigning, so an alias never clobbers a real row's update.
     has_row = idx_mapping >= 0  # [B]
     rows = idx_mapping.clamp_min(0)  # [B]
-    query_lens = torch.where(has_row, query_lens.to(num_computed_tokens.dtype), 0)  # [B]
+    count_dtype = num_computed_tokens.dtype
+    query_lens = torch.where(has_row, query_lens.to(count_dtype), 0)  # [B]
     computed = num_computed_tokens[rows] + query_lens  # [B]
     known = num_tokens[rows]  # [B]
     is_new_token = has_row & (computed >= known)
+    sampled = sampled_token_ids.view(rows.shape[0], -1)  # [B, S]
+    width = sampled.shape[1]
+    emitted = torch.ones_like(known) if num_emitted is None else num_emitted.to(known.dtype)
+    emitted = torch.where(is_new_token, emitted, 0)  # [B]
+    rejected = 0 if num_rejected is None else torch.where(has_row, num_rejected.to(count_dtype), 0)
     max_len = token_ids.shape[1]
+    cols = torch.arange(width, device=rows.device)  # [S]
+    appended = cols.unsqueeze(0) < emitted.unsqueeze(1)  # [B, S]
+    position = known.long().unsqueeze(1) + cols  # [B, S]
     # A token sampled at max_model_len is returned but never fed back, so it is not stored.
-    writable = is_new_token & (known < max_len)
-    flat_pos = rows * max_len + known.long().clamp_max(max_len - 1)  # [B]
+    writable = appended & (position < max_len)
+    flat_pos = rows.unsqueeze(1) * max_len + position.clamp_max(max_len - 1)  # [B, S]
     flat_tokens = token_ids.view(-1)
-    sampled = torch.where(is_new_token, sampled_token_ids, 0)  # [B]
-    token_delta = torch.where(writable, sampled.to(token_ids.dtype) - flat_tokens[flat_pos], 0)
-    flat_tokens.index_add_(0, flat_pos, token_delta)
-    num_computed_tokens.index_add_(0, rows, query_lens)
-    num_tokens.index_add_(0, rows, is_new_token.to(num_tokens.dtype))
+    values = torch.where(appended, sampled, 0)  # [B, S]
+    token_delta = torch.where(writable, values.to(token_ids.dtype) - flat_tokens[flat_pos], 0)
+    flat_tokens.index_add_(0, flat_pos.reshape(-1), token_delta.reshape(-1))
+    num_computed_tokens.index_add_(0, rows, query_lens - rejected)
+    num_tokens.index_add_(0, rows, emitted.to(num_tokens.dtype))
     if output_token_counts is not None:
-        output_token_counts.index_put_((rows, sampled), is_new_token.to(output_token_counts.dtype),
-                                       accumulate=True)
+        output_token_counts.index_put_((rows.unsqueeze(1).expand(-1, width), values),
+                                       appended.to(output_token_counts.dtype), accumulate=True)

@@ -74,7 +74,8 @@ def size_kv_cache(runner) -> KVSizing:
     scheduler, cache = config.scheduler, config.cache
     groups = runner.caches.groups
     budget, graph_reserve = _budget_bytes(runner)
-    bytes_per_block = [runner.caches.bytes_per_block(group) for group in groups]
+    bytes_per_block = [runner.caches.bytes_per_block(group) + runner.extra_kv_bytes_per_block(g)
+                       for g, group in enumerate(groups)]
     caps = [useful_blocks(group.sliding_window, runner.block_size, runner.max_running_reqs, runner.max_blocks_per_req,
                           scheduler.max_num_batched_tokens) for group in groups]
     needed_blocks = [blocks_one_request_needs(group.sliding_window, runner.block_size, scheduler.max_model_len,

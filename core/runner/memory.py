@@ -57,6 +57,13 @@ def profile_peak_bytes(runner) -> tuple[int, int]:
                                                  graph_mode="off"))
     logger.info("profiling run: %d requests, %d tokens, %.1f s", len(query_lens), sum(query_lens),
                 time.perf_counter() - start)
-    decode_peak = peak_of(lambda: runner.dummy_run([1] * runner.max_graph_batch, graph_mode="off"))
+    # The widest decode graph family: one token per request, or 1 + drafts under speculation.
+    width = max(getattr(runner, "graph_widths", [1]))
+    decode_peak = peak_of(lambda: runner.dummy_run([width] * runner.max_graph_batch, graph_mode="off",
+                                                   num_draft_tokens=[width - 1] * runner.max_graph_batch))
     torch.cuda.empty_cache()
+    if getattr(runner.config, "speculative", None) is not None:
+        # A verify step samples 1 + k rows a request ([rows, vocab] buffers): it may outgrow the
+        # largest prefill step, graphs or not.
+        step_peak = max(step_peak, decode_peak)
     return step_peak, decode_peak

@@ -47,6 +47,7 @@ from weir.runner.warmup import compile_kernel_variants
 from weir.sample import Sampler
 from weir.sampling_params import SamplingParams
 from weir.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from weir.spec_decode.runner import SpecDecodeStep
 from weir.weights import iter_checkpoint
 from weir.weights.loader import load_model
 
@@ -59,11 +60,15 @@ GRAPH_MODES = ("auto", "capture", "off")
 class ModelRunner:
     def __init__(self, config: EngineConfig, platform: Platform, model_cls: type,
                  choose_attention_backends: Callable[[set[str]], dict[str, type]],
-                 choose_moe_backend: Callable[[], type]):
+                 choose_moe_backend: Callable[[], type], resolve_model: Callable[[str], type] | None = None):
         """``choose_attention_backends(layer_kinds)`` maps each layer kind the model declares to
         a backend class (``PluginRegistry.select_attention_backends``); ``choose_moe_backend()``
-        is asked only when the model has MoE layers."""
+        is asked only when the model has MoE layers; ``resolve_model(architecture)`` gives a
+        draft model's class (speculative decoding's ``draft_model``)."""
         self.config = config
+        self.choose_attention_backends = choose_attention_backends
+        self.choose_moe_backend = choose_moe_backend
+        self.resolve_model = resolve_model
         self.platform = platform
         self.device = platform.device()
         self.pin_memory = platform.pin_memory
@@ -89,19 +94,30 @@ class ModelRunner:
         self.max_running_reqs = min(config.scheduler.max_num_seqs,
                                     self.num_state_slots or config.scheduler.max_num_seqs)
         self.max_graph_batch = min(self.max_running_reqs, 512)
+        # Token slots per request of each graph family: decode, and under speculation verification
+        # too (not for linear-attention models, whose verify steps run their layers per position).
+        speculative = config.speculative
+        self.graph_widths = [1]
+        if speculative is not None and not self.caches.state_layers:
+            self.graph_widths.append(1 + speculative.num_speculative_tokens)
         self.capture_sizes = default_capture_sizes(self.max_running_reqs) if self.use_graphs else []
         self.table = RequestTable(
             max_num_reqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
             max_blocks_per_req=self.max_blocks_per_req, device=self.device, pin_memory=self.pin_memory, num_block_groups=len(self.caches.groups),
             padding_state_slot=self.padding_state_slot,
         )
+        # A decode graph under speculation holds 1 + k tokens per request.
+        tokens_per_decode = 1 + (config.speculative.num_speculative_tokens if config.speculative else 0)
         self.inputs = InputBuffers(
             max_num_reqs=config.scheduler.max_num_seqs,
-            max_num_tokens=max(config.scheduler.max_num_batched_tokens, self.max_graph_batch),
+            max_num_tokens=max(config.scheduler.max_num_batched_tokens, self.max_graph_batch * tokens_per_decode),
             num_groups=len(self.caches.groups), max_blocks_per_req=self.max_blocks_per_req,
             device=self.device, pin_memory=self.pin_memory, has_state=bool(self.caches.state_layers))
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.graphs: CudaGraphs | None = None
+        # Speculative decoding: verification and the proposer (a draft model's caches are sized
+        # with the target's below).
+        self.spec = SpecDecodeStep(self, config.speculative) if config.speculative is not None else None
 
         self.num_blocks = self._init_kv_cache()
         if self.use_graphs:
@@ -158,6 +174,8 @@ class ModelRunner:
     def _init_kv_cache(self) -> list[int]:
         """Warm up and profile against one-block caches, then size and allocate every group's."""
         self.caches.allocate_kv_caches([1] * len(self.caches.groups))
+        if self.spec is not None:
+            self.spec.allocate_kv_caches([1] * len(self.caches.groups))
         # Whether every Triton variant a step launches was compiled and loaded at warm-up: graph
         # capture then needs no eager run before each capture.
         self.kernels_compiled_ahead = False
@@ -169,7 +187,13 @@ class ModelRunner:
         self.num_checkpoint_slots = sizing.num_checkpoints  # prefix caching of linear-attention state
         if sizing.num_checkpoints:
             self.linear_state.allocate_checkpoints(sizing.num_checkpoints)
+        if self.spec is not None:
+            self.spec.allocate_kv_caches(sizing.num_blocks)
         return sizing.num_blocks
+
+    def extra_kv_bytes_per_block(self, group: int) -> int:
+        """Bytes a draft's layers add to each block of cache group ``group`` (speculative decoding)."""
+        return self.spec.extra_kv_bytes_per_block(group) if self.spec is not None else 0
 
     def kv_group_configs(self) -> list[GroupConfig]:
         """What the KV manager needs to know of each paged cache group."""
@@ -180,10 +204,12 @@ class ModelRunner:
         self.graphs = CudaGraphs(self.device, self.capture_sizes)
         eager_first = not self.kernels_compiled_ahead
         with self.graphs.capturing(eager_first):
-            for batch_size in reversed(self.capture_sizes):
-                if eager_first:  # kernels that compile or autotune on first launch do it outside the capture
-                    self.dummy_run([1] * batch_size, graph_mode="off")
-                self.dummy_run([1] * batch_size, graph_mode="capture")
+            for width in reversed(self.graph_widths):  # the widest first: smaller ones reuse its pool
+                for batch_size in reversed(self.capture_sizes):
+                    query_lens, drafts = [width] * batch_size, [width - 1] * batch_size
+                    if eager_first:  # kernels that compile or autotune on first launch do it outside the capture
+                        self.dummy_run(query_lens, graph_mode="off", num_draft_tokens=drafts)
+                    self.dummy_run(query_lens, graph_mode="capture", num_draft_tokens=drafts)
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -218,25 +244,41 @@ class ModelRunner:
         if out.is_empty:
             return None
         plan = self._plan(out, graph_mode)
+        layout = self.spec.layout(plan) if self.spec is not None else None
         self._prepare_inputs(plan)
+        if self.spec is not None:
+            self.spec.prepare(plan)
         if plan.graph_size is None:
             logits = self._forward(plan)
         else:
             if graph_mode == "capture":
-                self.graphs.capture(plan.graph_size, lambda: self._forward(plan))
-            logits = self.graphs.replay(plan.graph_size)
+                self.graphs.capture(plan.graph_size, lambda: self._forward(plan), plan.graph_width)
+            logits = self.graphs.replay(plan.graph_size, plan.graph_width)
+            if self.spec is not None:  # the graph gave the hidden states (and what draft heads read)
+                hidden, extras = logits
+                self.last_hidden = hidden
+                self.spec.restore_graph_extras(extras)
+                logits = self.model.compute_logits(hidden[plan.logits_indices])
         if self.linear_state is not None:  # states at prefix-cache boundaries, into checkpoints
             self.linear_state.save_checkpoints(out.state_copies, self.device, self.pin_memory)
+        if self.spec is not None:
+            return self.spec.finish_step(plan, logits[: layout.num_rows], layout, out)
         return self._sample(plan, logits[: plan.num_reqs], out)
 
     def _plan(self, out: SchedulerOutput, graph_mode: str) -> StepPlan:
         if graph_mode not in GRAPH_MODES:
             raise ValueError(f"graph_mode must be one of {GRAPH_MODES}, got {graph_mode!r}")
 
-        def graph_size(num_reqs: int) -> int | None:
+        def graph_size(num_reqs: int, max_query_len: int) -> tuple[int, int] | None:
+            width = next((w for w in self.graph_widths if max_query_len <= w), None)
+            if width is None:
+                return None
             if graph_mode == "capture":
-                return num_reqs
-            return self.graphs.padded_size(num_reqs) if graph_mode == "auto" and self.graphs is not None else None
+                return num_reqs, width
+            if graph_mode != "auto" or self.graphs is None:
+                return None
+            size = self.graphs.padded_size(num_reqs, width)
+            return None if size is None else (size, width)
 
         return plan_step(out, self.table, graph_size, self.max_model_len)
 
@@ -279,7 +321,12 @@ class ModelRunner:
                 query_start_loc_cpu=None if plan.graph_size is not None else torch.from_numpy(plan.query_start_loc))
         ctx = self.caches.forward_context(paged_metadata, linear_metadata, self.moe_backend)
         hidden = self.model(buffers.input_ids[:num_tokens], buffers.positions[:num_tokens], ctx)
-        if plan.max_query_len > 1:
+        self.last_hidden = hidden  # [num_tokens, hidden]: what draft heads read (weir.spec_decode)
+        if self.spec is not None and plan.graph_size is not None:
+            return hidden, self.spec.graph_extras()  # logits of the verified rows come after the graph
+        if plan.logits_indices is not None:
+            hidden = hidden[plan.logits_indices]  # [num_logits_rows, hidden]: verifying requests' every token
+        elif plan.max_query_len > 1:
             hidden = hidden[query_start_loc[1:].long() - 1]  # [batch, hidden]
         return self.model.compute_logits(hidden)  # the model's dtype: the sampler upcasts only where it must
 
@@ -303,11 +350,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def dummy_run(self, query_lens: list[int], context_lens: list[int] | None = None,
-                  sampling_params: list[SamplingParams] | None = None, graph_mode: str = "auto") -> AsyncOutput:
+                  sampling_params: list[SamplingParams] | None = None, graph_mode: str = "auto",
+                  num_draft_tokens: list[int] | None = None) -> AsyncOutput:
         """One ``execute`` of fake requests, each computing ``query_lens[i]`` tokens after
         ``context_lens[i]`` (default 0). Their blocks are all the null block and their state the
         padding slot, so they read and write nothing a real request owns; their rows are given
-        back before this returns. Only for an idle runner (start-up)."""
+        back before this returns; ``num_draft_tokens[i]`` of a request's tokens are drafts to
+        verify (speculative decoding). Only for an idle runner (start-up)."""
         context_lens = context_lens or [0] * len(query_lens)
         sampling_params = sampling_params or [SamplingParams(temperature=0)] * len(query_lens)
         num_groups = len(self.caches.groups)
@@ -324,7 +373,8 @@ class ModelRunner:
         step = SchedulerOutput(
             new_reqs=new_reqs, cached_reqs=CachedRequestData(), num_scheduled_tokens=dict(zip(req_ids, query_lens)),
             total_num_scheduled_tokens=sum(query_lens), sampling_req_ids=set(req_ids), min_tokens_req_ids=set(),
-            finished_req_ids=set(), preempted_req_ids=set())
+            finished_req_ids=set(), preempted_req_ids=set(),
+            num_draft_tokens={req_id: k for req_id, k in zip(req_ids, num_draft_tokens or []) if k})
         try:
             return self.execute(step, graph_mode)
         finally:

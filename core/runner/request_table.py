@@ -44,6 +44,9 @@ class RequestTable:
         self.num_prompt_tokens = staged((R,), torch.int32)
         # Group g's table is rows g * R .. (g + 1) * R - 1: block_tables_view() is [G, R, max_blocks].
         self.block_tables = staged((num_block_groups * R, max_blocks_per_req), torch.int32)
+        # Speculative decoding: drafts proposed for each row's next step, held in token_ids right
+        # after its known tokens (an n-gram proposer may find fewer than it was asked for).
+        self.num_drafts = staged((R,), torch.int32)
         self.padding_state_slot = padding_state_slot
         if padding_state_slot is not None:
             self.state_slot = staged((R,), torch.int32, padding_state_slot)
@@ -51,6 +54,9 @@ class RequestTable:
 
         # Host mirrors.
         self.num_computed_host = np.zeros(R, dtype=np.int64)
+        # Bumped whenever a row is handed out, so a late correction of a mirror (rejected drafts,
+        # known a step later) can tell that the row it names now holds another request.
+        self.row_epoch = np.zeros(R, dtype=np.int64)
         self.num_blocks_host = np.zeros((num_block_groups, R), dtype=np.int64)  # blocks staged per group
 
     def add(self, new: NewRequestData) -> int:
@@ -62,6 +68,8 @@ class RequestTable:
         self.num_tokens.stage(row, len(new.prefill_token_ids))
         self.num_computed_tokens.stage(row, new.num_computed_tokens)
         self.num_prompt_tokens.stage(row, new.num_prompt_tokens)
+        self.num_drafts.stage(row, 0)
+        self.row_epoch[row] += 1
         for group, block_ids in enumerate(new.block_ids):
             self.block_tables.stage(group * self.num_rows + row, block_ids)
             self.num_blocks_host[group, row] = len(block_ids)

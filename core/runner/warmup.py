@@ -86,6 +86,12 @@ def warmup_tasks(runner, sampling_kinds: tuple[SamplingParams, ...] = SAMPLING_K
         if sum(query_lens) <= token_budget:
             tasks.append((runner.dummy_run, (query_lens, context_lens and context_lens[:limit],
                                              params and params[:limit], "off")))
+    speculative = getattr(runner.config, "speculative", None)
+    if speculative is not None:  # verification (1 + k tokens a request) and proposing after it
+        width = 1 + speculative.num_speculative_tokens
+        for num_reqs in (1, 2, 16):
+            num_reqs = min(num_reqs, limit, max(1, token_budget // width))
+            tasks.append((runner.dummy_run, ([width] * num_reqs, None, None, "off", [width - 1] * num_reqs)))
     return tasks
 
 
@@ -110,10 +116,15 @@ COMPILE_AHEAD_ENV = "WEIR_COMPILE_AHEAD"  # "0" turns the compile-ahead pass off
 
 def compile_ahead_safe(runner) -> bool:
     """Whether a forward whose Triton kernels do not run is harmless for this model: only when
-    no torch op indexes with a Triton kernel's output (MoE routing and linear-attention state
-    kernels do) and every kernel compiles without autotuning (fla's would time no-ops)."""
+    no torch op indexes with a Triton kernel's output (MoE routing, linear-attention state
+    kernels and speculative draft models do) and every kernel compiles without autotuning (fla's
+    would time no-ops)."""
+    # Draft models and heads gather their inputs into fresh tensors, which a skipped kernel leaves
+    # unwritten, and index embeddings and KV slots with them.
+    speculative = getattr(runner.config, "speculative", None)
+    drafts_by_model = speculative is not None and speculative.uses_draft_model
     return (runner.device.type == "cuda" and not runner.caches.state_layers and runner.moe_backend is None
-            and os.environ.get(COMPILE_AHEAD_ENV, "1") != "0")
+            and not drafts_by_model and os.environ.get(COMPILE_AHEAD_ENV, "1") != "0")
 
 
 class _CompileOnly(threading.local):

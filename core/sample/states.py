@@ -73,6 +73,7 @@ class SamplingStates:
         self.min_p_host = np.zeros(num_rows, dtype=np.float32)
         self.uses_penalties_host = np.zeros(num_rows, dtype=bool)
         self.num_logprobs_host = np.full(num_rows, -1, dtype=np.int64)  # -1: none requested
+        self.min_tokens_host = np.zeros(num_rows, dtype=np.int64)  # speculative steps ban on the device
         self.stop_token_ids: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * num_rows
         # Rows written since the last apply (two staged writes to one element would race).
         self._staged_rows: set[int] = set()
@@ -116,6 +117,7 @@ class SamplingStates:
         self.min_p_host[row] = min_p
         self.uses_penalties_host[row] = params.uses_penalties
         self.num_logprobs_host[row] = -1 if params.logprobs is None else params.logprobs
+        self.min_tokens_host[row] = params.min_tokens
         self.stop_token_ids[row] = stop_ids
 
     def remove_request(self, row: int) -> None:

@@ -48,6 +48,9 @@ class SchedulerOutput:
     # Hybrid models' prefix cache: checkpoints loaded into admitted requests' state slots before
     # the forward, and states saved into checkpoints after it (None: no copies this step).
     state_copies: StateCopies | None = None
+    # Speculative decoding: request id -> drafts this step verifies (its last scheduled tokens;
+    # the drafts themselves wait on the device). Requests without drafts are left out.
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
     # The requests scheduled, by id: results are applied only to these very objects (an id can be
     # reused after an abort while this step is still in flight). Host-side; the runner ignores it.
     scheduled_requests: dict = field(default_factory=dict)

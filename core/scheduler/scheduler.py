@@ -21,17 +21,42 @@ from weir.config import SchedulerConfig
 from weir.kv_cache import KVCacheManager
 from weir.request import Request, RequestStatus
 from weir.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from weir.spec_decode.scheduling import SpecScheduling
 
 
 @dataclass
 class SampledTokens:
-    """What one step produced, on the host: one entry per request in batch order."""
+    """What one step produced, on the host: one entry per request in batch order.
+
+    A step that verified drafts gives each request its emitted tokens instead
+    (``spec_token_ids[b]``: the accepted drafts, then the token sampled after them), the drafts
+    it verified (``num_verified_drafts``), and logprobs per emitted token
+    (``logprob_token_ids[b][j]``...).
+    """
 
     req_ids: list[str]
-    sampled_token_ids: list[int]
-    logprob_token_ids: list[list[int]] | None = None  # [B][1 + k]; column 0 = the sampled token
-    logprobs: list[list[float]] | None = None
-    logprob_ranks: list[int] | None = None  # rank of the sampled token
+    sampled_token_ids: list[int] | None
+    logprob_token_ids: list | None = None  # [B][1 + k] (spec: [B][S][1 + k]); column 0 = the sampled token
+    logprobs: list | None = None
+    logprob_ranks: list | None = None  # rank of the sampled token ([B], spec: [B][S])
+    spec_token_ids: list[list[int]] | None = None
+    num_verified_drafts: list[int] | None = None
+
+    def tokens_of(self, batch_idx: int) -> list[int]:
+        if self.spec_token_ids is not None:
+            return self.spec_token_ids[batch_idx]
+        return [self.sampled_token_ids[batch_idx]]
+
+    def logprobs_of(self, batch_idx: int, num_top: int) -> list[tuple[list[int], list[float], int]]:
+        """Per emitted token: (ids, values, rank), the sampled token first, then ``num_top`` more."""
+        if self.logprobs is None:
+            return []
+        ids, values, ranks = (self.logprob_token_ids[batch_idx], self.logprobs[batch_idx],
+                              self.logprob_ranks[batch_idx])
+        if self.spec_token_ids is None:
+            ids, values, ranks = [ids], [values], [ranks]
+        return [(ids[j][: num_top + 1], values[j][: num_top + 1], ranks[j])
+                for j in range(len(self.tokens_of(batch_idx)))]
 
 
 @dataclass
@@ -43,9 +68,11 @@ class RequestUpdate:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, spec: SpecScheduling | None = None):
+        """``spec``: speculative decoding's share of scheduling (None: no drafts)."""
         self.config = config
         self.kv_cache = kv_cache
+        self.spec = spec
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -60,6 +87,8 @@ class Scheduler:
         # KV cache that cannot hold one max_model_len request.
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if self.spec is not None:
+            self.spec.prepare(request)
 
     def finish_request(self, request_id: str, status: RequestStatus, stop_reason=None) -> None:
         request = self.requests.pop(request_id, None)
@@ -112,6 +141,7 @@ class Scheduler:
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.drafts_ready = False  # the row, and the drafts in it, go
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -120,6 +150,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
+        num_drafts: dict[str, int] = {}
         cached = CachedRequestData()
         new_reqs: list[NewRequestData] = []
         preempted: set[str] = set()
@@ -127,22 +158,27 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(self._owed(request), budget)
+            owed = self._owed(request)
+            drafts = self.spec.num_drafts(request, owed, len(self.running)) if self.spec is not None else 0
+            num_new = min(owed + drafts, budget)
             if num_new <= 0:
                 self.kv_cache.free_out_of_window(request)
                 index += 1
                 continue
             num_new = self.kv_cache.end_chunk_at_checkpoint(request, request.num_computed_tokens, num_new)
-            new_blocks = self.kv_cache.allocate_slots(request, num_new)
+            lookahead = self.spec.lookahead(request, request.num_computed_tokens, num_new) if self.spec else 0
+            new_blocks = self.kv_cache.allocate_slots(request, num_new + lookahead)
             while new_blocks is None:
                 victim = self.running[-1]  # later in the list, so not scheduled yet this step
                 self._preempt(victim, preempted)
                 if victim is request:
                     break
-                new_blocks = self.kv_cache.allocate_slots(request, num_new)
+                new_blocks = self.kv_cache.allocate_slots(request, num_new + lookahead)
             if new_blocks is None:
                 break
             num_scheduled[request.request_id] = num_new
+            if num_new > owed:
+                num_drafts[request.request_id] = num_new - owed
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append(new_blocks)
             budget -= num_new
@@ -156,7 +192,8 @@ class Scheduler:
             hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             num_new = self.kv_cache.end_chunk_at_checkpoint(
                 request, num_hit_tokens, min(request.num_tokens - num_hit_tokens, budget))
-            if self.kv_cache.allocate_slots(request, num_new, hit_blocks) is None:
+            lookahead = self.spec.lookahead(request, num_hit_tokens, num_new) if self.spec else 0
+            if self.kv_cache.allocate_slots(request, num_new + lookahead, hit_blocks) is None:
                 break
             self.kv_cache.count_admission(request, num_hit_tokens)
             self.waiting.popleft()
@@ -173,11 +210,15 @@ class Scheduler:
         for request_id, num_new in num_scheduled.items():
             request = self.requests[request_id]
             request.num_computed_tokens += num_new
-            if request.num_computed_tokens == request.num_tokens_with_placeholders:
+            # A verifying request computes past its known tokens: its drafts.
+            if request.num_computed_tokens >= request.num_tokens_with_placeholders:
                 if request.num_outputs_with_placeholders < request.sampling_params.min_tokens:
                     min_tokens.add(request_id)
-                request.num_output_placeholders += 1
+                # As if every draft will be accepted; update() takes the rejected ones back.
+                request.num_output_placeholders += 1 + num_drafts.get(request_id, 0)
                 sampling.add(request_id)
+            # Proposing follows every sampling step; a partial prefill chunk leaves no drafts.
+            request.drafts_ready = self.spec is not None and request_id in sampling
 
         finished, self._finished_req_ids = self._finished_req_ids, set()
         return SchedulerOutput(
@@ -186,6 +227,7 @@ class Scheduler:
             min_tokens_req_ids=min_tokens, finished_req_ids=finished - preempted,
             preempted_req_ids=preempted, state_copies=self.kv_cache.take_state_copies(),
             scheduled_requests={request_id: self.requests[request_id] for request_id in num_scheduled},
+            num_draft_tokens=num_drafts,
         )
 
     def _new_request_data(self, request: Request) -> NewRequestData:
@@ -209,19 +251,26 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request is not output.scheduled_requests.get(request_id):
                 continue  # finished or aborted while this step ran: the token is dropped
-            request.num_output_placeholders -= 1
-            token_id = sampled.sampled_token_ids[batch_idx]
-            request.output_token_ids.append(token_id)
+            num_drafts = output.num_draft_tokens.get(request_id, 0)
+            request.num_output_placeholders -= 1 + num_drafts
+            token_ids = sampled.tokens_of(batch_idx)
+            if self.spec is not None:  # a step without drafts counts too: the adaptive rule decays
+                num_verified = sampled.num_verified_drafts[batch_idx] if sampled.num_verified_drafts else 0
+                self.spec.apply_result(request, num_drafts, num_verified, len(token_ids) - 1)
             logprobs = []
-            if sampled.logprobs is not None and request.sampling_params.logprobs is not None:
-                num_top = request.sampling_params.logprobs
-                logprobs.append((sampled.logprob_token_ids[batch_idx][: num_top + 1],
-                                 sampled.logprobs[batch_idx][: num_top + 1],
-                                 sampled.logprob_ranks[batch_idx]))
-            status, stop_reason = self._check_stop(request, token_id)
-            if status is not None:
-                self.finish_request(request_id, status, stop_reason)
-            updates.append(RequestUpdate(request, [token_id], logprobs, status is not None))
+            if request.sampling_params.logprobs is not None:
+                logprobs = sampled.logprobs_of(batch_idx, request.sampling_params.logprobs)
+            status = stop_reason = None
+            new_token_ids = []
+            for token_id in token_ids:  # tokens past a stop are dropped
+                request.output_token_ids.append(token_id)
+                new_token_ids.append(token_id)
+                status, stop_reason = self._check_stop(request, token_id)
+                if status is not None:
+                    self.finish_request(request_id, status, stop_reason)
+                    break
+            updates.append(RequestUpdate(request, new_token_ids, logprobs[: len(new_token_ids)],
+                                         status is not None))
         return updates
 
     def _check_stop(self, request: Request, token_id: int):

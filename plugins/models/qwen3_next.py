@@ -276,10 +276,79 @@ class Qwen3NextModel(nn.Module):
         return hidden_states
 
 
+class Qwen3NextMTP(nn.Module):
+    """Qwen3-Next's multi-token-prediction block as a draft head (``speculative_config`` method
+    ``mtp``; models.md 3.6). Its weights are the target checkpoint's ``mtp.*``; the embedding and
+    the LM head are the target's own (``bind_target``). A pass at position ``p`` takes the token at
+    ``p + 1`` and a hidden state of ``p`` (the target's final one, post-norm, then its own output)::
+
+        x = mtp.fc(cat[pre_fc_norm_embedding(embed(token)), pre_fc_norm_hidden(hidden)])
+        x = mtp.layers[step % num_layers](x)   # gated full attention + MoE, its own KV cache
+        out = mtp.norm(x)                      # the logits' input, and the next pass's hidden
+
+    The layers' attention takes layer indices after the target's (``num_hidden_layers + i``).
+    """
+
+    stacked_params = QKV_GATE_UP_STACKED_PARAMS + (
+        ("router", "gate", "routed"),
+        ("router", "shared_expert_gate", "shared_gate"),
+    )
+    stacked_param_patterns = PER_EXPERT_PATTERNS
+    ignored_checkpoint_patterns = (r"rotary_emb\.inv_freq$",)
+    checkpoint_prefix = "mtp."
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        hf_config = config.hf_config
+        hidden = hf_config.hidden_size
+        num_layers = int(getattr(hf_config, "mtp_num_hidden_layers", None)
+                         or getattr(hf_config, "num_nextn_predict_layers", None) or 1)
+        self.rotary_emb = RotaryEmbedding(hf_config, hf_config.head_dim, config.max_model_len)
+        self.mtp = nn.Module()
+        self.mtp.fc = Linear(2 * hidden, hidden)
+        self.mtp.pre_fc_norm_embedding = ZeroCenteredRMSNorm(hidden, hf_config.rms_norm_eps)
+        self.mtp.pre_fc_norm_hidden = ZeroCenteredRMSNorm(hidden, hf_config.rms_norm_eps)
+        self.mtp.layers = nn.ModuleList(
+            Qwen3NextDecoderLayer(hf_config, hf_config.num_hidden_layers + i, FULL_ATTENTION, self.rotary_emb)
+            for i in range(num_layers))
+        self.mtp.norm = ZeroCenteredRMSNorm(hidden, hf_config.rms_norm_eps)
+        self._target: tuple = ()  # (embed_tokens, lm_head) of the target, not parameters of this module
+
+    def bind_target(self, target: nn.Module) -> None:
+        self._target = (target.model.embed_tokens, target.lm_head)
+
+    def watch_target(self, target: nn.Module) -> None:
+        """Nothing beyond the target's final hidden states is needed."""
+
+    def target_hidden(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        return last_hidden  # [num_tokens, hidden], post-norm
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                ctx: ForwardContext, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        embed_tokens, _ = self._target
+        embeds = self.mtp.pre_fc_norm_embedding(embed_tokens(input_ids))  # [num_tokens, hidden]
+        x = self.mtp.fc(torch.cat([embeds, self.mtp.pre_fc_norm_hidden(hidden)], dim=-1))
+        layer = self.mtp.layers[step % len(self.mtp.layers)]
+        x, residual = layer(positions, x, None, ctx)
+        out, _ = self.mtp.norm(x, residual)
+        return out, out
+
+    def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        _, lm_head = self._target
+        return lm_head(hidden).argmax(dim=-1)  # [num_rows]
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self._target[1](hidden_states)
+
+    def attention_layers(self) -> list[AttentionLayerSpec]:
+        return [layer.self_attn.attn.spec for layer in self.mtp.layers]
+
+
 class Qwen3NextForCausalLM(nn.Module):
     """The Weir model contract (``weir.model_interface``) for Qwen3-Next checkpoints.
 
-    Not served yet: the MTP head (``mtp.*`` weights are skipped, as transformers skips them).
+    The ``mtp.*`` weights are skipped here (as transformers skips them); speculative decoding's
+    ``mtp`` method loads them into ``Qwen3NextMTP``, its ``mtp_head_class``.
     """
 
     stacked_params = QKV_GATE_UP_STACKED_PARAMS + (
@@ -290,6 +359,7 @@ class Qwen3NextForCausalLM(nn.Module):
     )
     stacked_param_patterns = PER_EXPERT_PATTERNS
     ignored_checkpoint_patterns = (r"rotary_emb\.inv_freq$", r"^mtp\.")
+    mtp_head_class = Qwen3NextMTP
 
     def __init__(self, config: ModelConfig):
         super().__init__()

@@ -1,0 +1,209 @@
+"""Speculative decoding benchmarks: what the machinery can give, and what it gives.
+
+    python3 benchmarks/spec_decode.py OUT_DIR --workload ceiling --model benchmarks/models/qwen3-8b
+    python3 benchmarks/spec_decode.py OUT_DIR --workload ngram              # SmolLM2 (its GGUF)
+    python3 benchmarks/spec_decode.py OUT_DIR --workload verify-cost --model benchmarks/models/qwen3-next-24l
+    python3 benchmarks/spec_decode.py OUT_DIR --workload adaptive           # SmolLM2, mixed prompts
+
+- ``ceiling``: random weights (``load_format dummy``), ``draft_model`` = the same folder, whose
+  dummy weights are the same (seed 0): every draft is accepted but for near-ties. Output tok/s
+  at each batch size and ``k`` against no speculation in the same run, and the mean step time.
+- ``ngram``: the real default model repeating paragraphs (greedy), with and without n-gram drafts.
+- ``verify-cost``: the time of a decode step that verifies ``k`` drafts against a plain decode
+  step (n-gram slots, adaptive off, so every step verifies ``k`` whatever they hold): for a MoE
+  model at a large batch one step reads nearly every expert either way.
+- ``adaptive``: half the prompts repeat text, half do not; n-gram drafts with the adaptive rule
+  on and off: tok/s, and the draft positions verified per output token (the work drafts cost).
+
+Each run writes ``spec-<workload>.json`` and ``spec-<workload>.md`` into OUT_DIR. ``--device
+cpu`` runs the same on a CPU (smaller defaults there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+PARAGRAPHS = [
+    "The river runs through the old town, past the mill and the market square, under seven stone bridges, and "
+    "out into the fields where the herons wait in the reeds for the morning light.",
+    "A lighthouse keeper climbs one hundred and twelve steps every evening, trims the wick, winds the clockwork "
+    "that turns the lens, and writes the weather in a book that nobody reads.",
+    "In the workshop the carpenter measures twice, cuts once, and sands each joint until the two pieces of oak "
+    "fit together without glue, as his teacher showed him forty years ago.",
+    "The night train leaves the capital at eleven, crosses the plain in darkness, climbs through the pass before "
+    "dawn and reaches the sea in time for breakfast on the terrace of the station hotel.",
+]
+OPEN_ENDED = ["Write a short story about a robot who learns to paint.", "Invent a recipe for a new kind of soup.",
+              "Describe an imaginary city on the moon.", "Write a poem about the colour of silence."]
+
+
+def random_prompts(rng: random.Random, batch: int, length: int) -> list[dict]:
+    return [{"prompt_token_ids": [rng.randrange(1000, 20000) for _ in range(length)]} for _ in range(batch)]
+
+
+def engine(model, device, speculative=None, **options):
+    from weir import LLM
+
+    return LLM(model, device=device, speculative_config=speculative, **options)
+
+
+def timed_generate(llm, prompts, params, chat: bool):
+    engine_ = llm.engine
+    steps = [0]
+    original = engine_.step
+
+    def counted():
+        steps[0] += 1
+        return original()
+
+    engine_.step = counted
+    start = time.perf_counter()
+    outputs = llm.chat(prompts, params, use_tqdm=False) if chat else llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    engine_.step = original
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    row = {"seconds": seconds, "output_tokens": num_out, "tok_per_s": num_out / seconds, "steps": steps[0],
+           "step_ms": 1e3 * seconds / max(steps[0], 1)}
+    spec = engine_.scheduler.spec
+    if spec is not None:
+        c = spec.counters.snapshot()
+        row |= {"draft_tokens": c["num_draft_tokens"], "accepted": c["num_accepted_tokens"],
+                "acceptance_rate": c["num_accepted_tokens"] / max(c["num_draft_tokens"], 1),
+                "verified_per_output_token": c["num_draft_tokens"] / max(num_out, 1),
+                "slots_per_output_token": c["num_draft_slots"] / max(num_out, 1)}
+    return outputs, row
+
+
+def ceiling(args):
+    from weir import SamplingParams
+
+    rng = random.Random(0)
+    rows = []
+    for batch in args.batch:
+        prompts = random_prompts(rng, batch, args.input_len)
+        params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        options = dict(load_format="dummy", max_model_len=args.input_len + args.output_len + 32,
+                       max_num_seqs=max(batch, 1))
+        base = engine(args.model, args.device, **options)
+        _, row = timed_generate(base, prompts, params, chat=False)
+        base_tok_per_s = row["tok_per_s"]
+        rows.append({"batch": batch, "k": 0, **row, "vs_no_spec": 1.0})
+        del base
+        for k in args.k:
+            spec = {"method": "draft_model", "model": args.model, "num_speculative_tokens": k, "adaptive": False}
+            llm = engine(args.model, args.device, spec, **options)
+            _, row = timed_generate(llm, prompts, params, chat=False)
+            rows.append({"batch": batch, "k": k, **row, "vs_no_spec": row["tok_per_s"] / base_tok_per_s})
+            del llm
+    return rows
+
+
+def ngram(args):
+    from weir import SamplingParams
+
+    rows = []
+    for batch in args.batch:
+        prompts = [[{"role": "user", "content": f"Repeat this paragraph exactly, word for word:\n\n"
+                                                f"{PARAGRAPHS[i % len(PARAGRAPHS)]}"}] for i in range(batch)]
+        params = SamplingParams(temperature=0, max_tokens=args.output_len)
+        options = dict(max_model_len=1024, max_num_seqs=max(batch, 1))
+        for k in [0] + args.k:
+            spec = None if k == 0 else {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+                                        "prompt_lookup_min": 2}
+            llm = engine(args.model, args.device, spec, **options)
+            _, row = timed_generate(llm, prompts, params, chat=True)
+            rows.append({"batch": batch, "k": k, **row})
+            del llm
+    return rows
+
+
+def verify_cost(args):
+    from weir import SamplingParams
+
+    rng = random.Random(0)
+    rows = []
+    for batch in args.batch:
+        prompts = random_prompts(rng, batch, args.input_len)
+        params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        options = dict(load_format="dummy", max_model_len=args.input_len + args.output_len + 32,
+                       max_num_seqs=max(batch, 1))
+        for k in [0] + args.k:
+            spec = None if k == 0 else {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
+                                        "prompt_lookup_max": 1, "adaptive": False}
+            llm = engine(args.model, args.device, spec, **options)
+            _, row = timed_generate(llm, prompts, params, chat=False)
+            rows.append({"batch": batch, "k": k, **row})
+            del llm
+    return rows
+
+
+def adaptive(args):
+    from weir import SamplingParams
+
+    rows = []
+    batch = args.batch[0]
+    prompts = []
+    for i in range(batch):
+        if i % 2 == 0:
+            prompts.append([{"role": "user", "content": f"Repeat this paragraph exactly:\n\n{PARAGRAPHS[i // 2 % 4]}"}])
+        else:
+            prompts.append([{"role": "user", "content": OPEN_ENDED[i // 2 % 4]}])
+    params = SamplingParams(temperature=0, max_tokens=args.output_len)
+    k = max(args.k)
+    for label, spec in (("none", None),
+                        ("ngram, adaptive off", {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+                                                 "prompt_lookup_min": 2, "adaptive": False}),
+                        ("ngram, adaptive on", {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+                                                "prompt_lookup_min": 2, "adaptive": True})):
+        llm = engine(args.model, args.device, spec, max_model_len=1024, max_num_seqs=batch)
+        outputs, row = timed_generate(llm, prompts, params, chat=True)
+        rows.append({"run": label, "batch": batch, "k": 0 if spec is None else k, **row,
+                     "tokens": [o.outputs[0].token_ids for o in outputs]})
+        del llm
+    same = all(r["tokens"] == rows[0]["tokens"] for r in rows)
+    for row in rows:
+        row.pop("tokens")
+        row["greedy_equal_to_none"] = same
+    return rows
+
+
+WORKLOADS = {"ceiling": ceiling, "ngram": ngram, "verify-cost": verify_cost, "adaptive": adaptive}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
+    parser.add_argument("--model", default=None, help="model folder (default: the built-in SmolLM2)")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--batch", default=None, help="comma-separated batch sizes")
+    parser.add_argument("--k", default="1,2,4", help="comma-separated num_speculative_tokens")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=None)
+    args = parser.parse_args()
+    cpu = args.device == "cpu"
+    defaults = {"ceiling": ("1,32", 256), "ngram": ("1,16", 256), "verify-cost": ("256", 64), "adaptive": ("8", 128)}
+    batch, output_len = defaults[args.workload]
+    args.batch = [int(b) for b in (args.batch or ("1,4" if cpu and args.workload != "adaptive" else batch)).split(",")]
+    args.k = [int(k) for k in args.k.split(",")]
+    args.output_len = args.output_len or (min(output_len, 64) if cpu else output_len)
+    rows = WORKLOADS[args.workload](args)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    name = f"spec-{args.workload}"
+    (args.out_dir / f"{name}.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                           "rows": rows}, indent=1))
+    keys = list(dict.fromkeys(key for row in rows for key in row))
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for row in rows:
+        lines.append("| " + " | ".join(f"{row.get(k, ''):.3g}" if isinstance(row.get(k), float) else str(row.get(k, ""))
+                                       for k in keys) + " |")
+    (args.out_dir / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

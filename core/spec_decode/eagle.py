@@ -1,0 +1,116 @@
+"""``eagle``, ``eagle3`` and ``mtp``: a draft head fed the target's hidden states.
+
+The head's pass at position ``p`` takes the token at ``p + 1`` and a hidden state of position
+``p`` (the target's in the first pass, the head's own after it) and predicts the token at
+``p + 2``. After each target step, on the device:
+
+1. a first pass over the step's own positions, with the tokens shifted by one read back from the
+   request table (which now holds the accepted drafts and the sampled token after them) and the
+   target's hidden states of the step: the head's KV is right up to the last accepted position,
+   and its logits there, next to the sampled token, give the first draft;
+2. ``k - 1`` one-token passes, each feeding the previous draft and the head's own hidden state.
+
+The head's layers ride in the target's cache groups (``weir.spec_decode.draft_caches``). Drafts
+are greedy, verified as one-hot draft distributions (lossless for sampled requests too).
+
+Heads: ``weir.spec_decode.eagle_heads`` (EAGLE and EAGLE-3 checkpoints in the layout vLLM
+loads), and for ``mtp`` the class the target model names as ``mtp_head_class``: Qwen3-Next's
+``mtp.*`` block; a family with a next-token layer at index ``num_hidden_layers`` (DeepSeek-V3)
+gives its own, loading those weights from the target's checkpoint the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from weir.buffers import host_to_device
+from weir.runner.inputs import prepare_step_inputs
+from weir.spec_decode.draft_caches import DraftCaches, step_starts
+from weir.spec_decode.ngram import write_drafts
+from weir.weights import iter_checkpoint
+from weir.weights.loader import load_model
+
+
+def _load_head(runner, config):
+    """The draft head, loaded and bound to the target's shared modules."""
+    if config.method == "mtp":
+        target_cls = type(runner.model)
+        head_cls = getattr(target_cls, "mtp_head_class", None)
+        if head_cls is None:
+            raise ValueError(f"speculative_config.method 'mtp': {target_cls.__name__} has no multi-token-prediction "
+                             f"head (its model class names none as mtp_head_class)")
+        model_config = runner.config.model
+        prefix = head_cls.checkpoint_prefix
+        weights = ((name, tensor) for name, tensor in iter_checkpoint(model_config) if name.startswith(prefix))
+        what = f"the MTP head of {model_config.model!r}"
+    else:
+        from weir.spec_decode.eagle_heads import eagle_head_class
+
+        model_config = runner.config.draft_model
+        head_cls, model_config = eagle_head_class(config.method, model_config)
+        weights = ((name.removeprefix("model."), tensor) for name, tensor in iter_checkpoint(model_config))
+        what = f"the {config.method} head {model_config.model!r}"
+    try:
+        head = load_model(head_cls, model_config, runner.device, weights)
+    except ValueError as error:
+        raise ValueError(f"cannot load {what}: {error}") from error
+    head.bind_target(runner.model)
+    return head, what
+
+
+class HiddenStateProposer:
+    def __init__(self, runner, config):
+        self.runner = runner
+        self.head, what = _load_head(runner, config)
+        self.caches = DraftCaches(runner, self.head, what)
+        self.num_speculative_tokens = config.num_speculative_tokens
+        # The one-token passes write the KV of up to k - 1 positions past a step's last token.
+        self.num_lookahead_tokens = config.num_speculative_tokens
+        self.head.watch_target(runner.model)
+
+    def propose(self, table, rows: torch.Tensor, max_len: int, plan, sampled: np.ndarray, **_) -> None:
+        runner, head = self.runner, self.head
+        device, pin = runner.device, runner.pin_memory
+        max_model_len = runner.max_model_len
+        num_reqs, num_tokens = plan.num_reqs, plan.num_tokens
+        batch_rows = runner.inputs.idx_mapping[:num_reqs]
+        starts = step_starts(runner, plan)  # [B]
+        query_start_loc = plan.query_start_loc[: num_reqs + 1].astype(np.int64)
+        # First pass: the step's positions, each with the token after it.
+        shifted_start = torch.zeros_like(table.num_computed_tokens.gpu).index_copy_(
+            0, batch_rows, (starts + 1).to(table.num_computed_tokens.gpu.dtype))
+        qsl = runner.inputs.query_start_loc[: num_reqs + 1]
+        input_ids, _, _ = prepare_step_inputs(table.token_ids.gpu, shifted_start, batch_rows, qsl, num_tokens)
+        positions = runner.inputs.positions[:num_tokens]
+        ctx = self.caches.context(batch_rows, query_start_loc, positions, runner.inputs.seq_lens[:num_reqs],
+                                  plan.max_query_len, plan.max_seq_len)
+        logits_hidden, hidden = head(input_ids, positions, head.target_hidden(runner.last_hidden), ctx, 0)
+        # Each sampled request's last accepted position: the one next to the token it sampled.
+        sampled_dev = host_to_device(sampled, device, pin)
+        known = table.num_tokens.gpu[rows].long()  # [M], after this step's tokens
+        last = host_to_device(query_start_loc[sampled], device, pin) + (known - 2 - starts[sampled_dev])
+        draft = head.draft_tokens(logits_hidden[last])  # [M]
+        hidden = hidden[last]
+        drafts = [draft]
+        one_each = np.arange(len(sampled) + 1, dtype=np.int64)
+        for step in range(1, self.num_speculative_tokens):
+            position = known - 2 + step
+            ctx = self.caches.context(rows, one_each, position, position + 1, 1, max_len + step)
+            logits_hidden, hidden = head(draft, position.clamp_max(max_model_len - 1), hidden, ctx, step)
+            draft = head.draft_tokens(logits_hidden)
+            drafts.append(draft)
+        write_drafts(table, rows, torch.stack(drafts, dim=1), torch.full_like(rows, self.num_speculative_tokens))
+
+
+def with_hf_config(model_config, **attributes):
+    """``model_config`` with a copy of its HF config carrying ``attributes`` (what a head's
+    constructor reads, decided from the checkpoint before it is built)."""
+    import copy
+
+    hf_config = copy.copy(model_config.hf_config)
+    for name, value in attributes.items():
+        setattr(hf_config, name, value)
+    return dataclasses.replace(model_config, hf_config=hf_config)

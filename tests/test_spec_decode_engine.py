@@ -1,0 +1,270 @@
+"""Speculative decoding through the whole engine on tiny random checkpoints: greedy tokens and
+their logprobs equal to the same engine without speculation, through chunked prefill, prefix-cache
+hits and preemption, with and without async scheduling; seeded sampling that does not depend on
+the batch; min_tokens and stop strings inside accepted runs; the acceptance counts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine_harness import assert_nothing_held
+from helpers_models import make_tiny_llama, make_tiny_qwen3
+from test_engine_parity import kv_bytes_for_blocks
+from weir import LLM, SamplingParams
+
+pytestmark = pytest.mark.integration
+
+NUM_TOKENS = 24
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+MAKERS = {"llama": make_tiny_llama, "qwen3": make_tiny_qwen3}
+
+
+@pytest.fixture(scope="module", params=sorted(MAKERS))
+def checkpoint(request, tmp_path_factory):
+    return MAKERS[request.param](tmp_path_factory.mktemp(request.param), with_tokenizer=True)
+
+
+def repetitive_prompts(seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a phrase (drafts get accepted) and plain random ones."""
+    rng = random.Random(seed)
+    prompts = []
+    for length in (3, 9, 17, 24, 31, 40, 55, 70):
+        phrase = [rng.randrange(0, 256) for _ in range(rng.randrange(2, 6))]
+        if length % 2:
+            prompts.append((phrase * 40)[:length])
+        else:
+            prompts.append([rng.randrange(0, 256) for _ in range(length)])
+    return prompts
+
+
+def shared_prefix_prompts(seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(0, 256) for _ in range(5)] * 8
+    return [prefix[: 16 + 3 * i] + [rng.randrange(0, 256) for _ in range(1 + i)] for i in range(8)]
+
+
+SCENARIOS = {
+    "chunked_prefill": (dict(max_num_batched_tokens=16), repetitive_prompts),
+    "prefix_cache": (dict(block_size=4), shared_prefix_prompts),
+    "preemption": (dict(block_size=4, max_model_len=128), repetitive_prompts),
+}
+
+
+def generate(path, prompts, params, speculative_config=None, **options):
+    llm = LLM(str(path), device="cpu", dtype="float32", speculative_config=speculative_config, **options)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return llm, outputs
+
+
+def assert_same_completions(got, want, check_logprobs: bool = True):
+    for output, expected in zip(got, want):
+        a, b = output.outputs[0], expected.outputs[0]
+        assert a.token_ids == b.token_ids, output.request_id
+        assert a.finish_reason == b.finish_reason
+        if check_logprobs and b.logprobs is not None:
+            assert len(a.logprobs) == len(b.logprobs)
+            for mine, theirs in zip(a.logprobs, b.logprobs):
+                assert list(mine) == list(theirs)  # the same ids, in the same order
+                for token_id, logprob in theirs.items():
+                    assert mine[token_id].rank == logprob.rank
+                    assert mine[token_id].logprob == pytest.approx(logprob.logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_greedy_equals_no_speculation(checkpoint, scenario, async_scheduling, method):
+    """``draft_model`` drafts with the target's own checkpoint: every draft must be accepted, which
+    holds only if the draft's KV is right at every position (chunks, prefix hits, recompute)."""
+    options, make_prompts = SCENARIOS[scenario]
+    options = dict(options, async_scheduling=async_scheduling)
+    if scenario == "preemption":
+        options["kv_cache_memory_bytes"] = kv_bytes_for_blocks(checkpoint, 41, 4)
+    prompts = make_prompts()
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=3)
+    _, want = generate(checkpoint, prompts, params, **options)
+    speculative = NGRAM if method == "ngram" else {"method": "draft_model", "model": str(checkpoint),
+                                                    "num_speculative_tokens": 3, "adaptive": False}
+    if method == "draft_model" and scenario == "preemption":
+        # The draft's layers share each block: the same bytes hold half the blocks.
+        options["kv_cache_memory_bytes"] *= 2
+    llm, got = generate(checkpoint, prompts, params, speculative, **options)
+    assert_same_completions(got, want)
+    scheduler = llm.engine.scheduler
+    if scenario == "preemption":
+        assert scheduler.num_preemptions > 0
+    if scenario == "prefix_cache":
+        assert scheduler.kv_cache.num_prefix_hits > 0
+    counters = scheduler.spec.counters
+    assert counters.num_accepted_tokens > 0  # the repeated phrases were drafted and accepted
+    if method == "draft_model":
+        assert counters.num_accepted_tokens == counters.num_draft_tokens
+    accepted = sum(o.outputs[0].spec_decode_metrics.num_accepted_draft_tokens for o in got)
+    assert accepted == counters.num_accepted_tokens
+    assert_nothing_held(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llama_path, async_scheduling):
+    prompts = repetitive_prompts(3)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=100 + i, max_tokens=NUM_TOKENS,
+                             ignore_eos=True, logprobs=2, repetition_penalty=1.1, presence_penalty=0.2)
+              for i in range(len(prompts))]
+    llm = LLM(str(tiny_llama_path), device="cpu", speculative_config=NGRAM, async_scheduling=async_scheduling)
+    together = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for index in (0, 5):
+        alone = llm.generate([{"prompt_token_ids": prompts[index]}], params[index], use_tqdm=False)[0]
+        assert alone.outputs[0].token_ids == together[index].outputs[0].token_ids
+    assert llm.engine.scheduler.spec.counters.num_draft_tokens > 0
+    assert_nothing_held(llm)
+
+
+def test_min_tokens_and_stop_inside_accepted_runs(tiny_llama_path):
+    prompt = [7, 8, 9] * 12
+    base = LLM(str(tiny_llama_path), device="cpu")
+    greedy = base.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=30,
+                                                                          ignore_eos=True), use_tqdm=False)
+    tokens = greedy[0].outputs[0].token_ids
+    spec = LLM(str(tiny_llama_path), device="cpu", speculative_config=NGRAM)
+    # The 6th greedy token as a stop token id: the completion ends right there.
+    stop_params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[tokens[5]])
+    want = base.generate([{"prompt_token_ids": prompt}], stop_params, use_tqdm=False)
+    got = spec.generate([{"prompt_token_ids": prompt}], stop_params, use_tqdm=False)
+    assert_same_completions(got, want)
+    # min_tokens bans it before then, on the device: the same tokens as without drafts.
+    min_params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[tokens[5]],
+                                min_tokens=12)
+    want = base.generate([{"prompt_token_ids": prompt}], min_params, use_tqdm=False)
+    got = spec.generate([{"prompt_token_ids": prompt}], min_params, use_tqdm=False)
+    assert_same_completions(got, want)
+    assert len(got[0].outputs[0].token_ids) >= 12
+    # A stop string inside an accepted run drops what follows it.
+    text = base.get_tokenizer().decode(tokens[4:7])
+    if text.strip():
+        stop_text = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[text])
+        want = base.generate([{"prompt_token_ids": prompt}], stop_text, use_tqdm=False)
+        got = spec.generate([{"prompt_token_ids": prompt}], stop_text, use_tqdm=False)
+        assert got[0].outputs[0].text == want[0].outputs[0].text
+        assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+        assert got[0].outputs[0].finish_reason == "stop"
+    assert spec.engine.scheduler.spec.counters.num_accepted_tokens > 0
+    assert_nothing_held(spec)
+
+
+def test_acceptance_counts_on_request_outputs(tiny_llama_path):
+    llm = LLM(str(tiny_llama_path), device="cpu", speculative_config=dict(NGRAM, adaptive=False),
+              per_request_spec_decode_metrics="detailed")
+    out = llm.generate([{"prompt_token_ids": [4, 5, 6, 7] * 10}], SamplingParams(temperature=0, max_tokens=40,
+                                                                                  ignore_eos=True), use_tqdm=False)
+    stats = out[0].outputs[0].spec_decode_metrics
+    body = stats.to_dict(detailed=True)
+    assert body["num_spec_steps"] == len(body["per_step_accepted"]) == sum(body["acceptance_histogram"]) > 0
+    assert body["num_accepted_draft_tokens"] == sum(body["per_step_accepted"])
+    assert body["num_draft_tokens"] == sum(body["per_step_drafted"])
+    assert all(0 <= a <= d <= 3 for a, d in zip(body["per_step_accepted"], body["per_step_drafted"]))
+    # Every emitted token came from a spec step or from a plain one (the first, after the prompt).
+    emitted_by_spec = body["num_spec_steps"] + body["num_accepted_draft_tokens"]
+    assert emitted_by_spec <= 40
+
+
+PARAGRAPH = ("The river runs through the old town, past the mill and the market square, under seven stone bridges, "
+             "and out into the fields where the herons wait in the reeds for the morning light.")
+
+
+def test_default_model_with_ngram_repeats_a_paragraph_as_without():
+    """The real SmolLM2 (its GGUF): the same greedy text, and drafts the stats say were accepted."""
+    messages = [[{"role": "user", "content": f"Repeat this paragraph exactly, word for word:\n\n{PARAGRAPH}"}]]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    want = LLM(device="cpu", max_model_len=1024).chat(messages, params, use_tqdm=False)
+    spec = LLM(device="cpu", max_model_len=1024, per_request_spec_decode_metrics="summary",
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                                   "prompt_lookup_min": 2})
+    got = spec.chat(messages, params, use_tqdm=False)
+    assert got[0].outputs[0].text == want[0].outputs[0].text
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert "seven stone bridges" in got[0].outputs[0].text
+    stats = got[0].outputs[0].spec_decode_metrics
+    assert stats.draft_acceptance_rate > 0 and stats.mean_acceptance_length > 1.5
+    assert_nothing_held(spec)
+
+
+class OracleProposer:
+    """Drafts the baseline's own next tokens, with every ``corrupt_every``-th draft position of
+    a row replaced by a wrong token: verification then accepts runs of every length, which
+    n-grams over a random model rarely give. Reads the device (a test may)."""
+
+    num_lookahead_tokens = 0
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], num_drafts: int, corrupt_every: int = 4):
+        self.continuations = continuations
+        self.num_drafts = num_drafts
+        self.corrupt_every = corrupt_every
+        self.calls = 0
+
+    def propose(self, table, rows, max_len, **_):
+        from weir.spec_decode.ngram import write_drafts
+
+        import torch
+
+        drafts = torch.zeros(rows.shape[0], self.num_drafts, dtype=torch.long)
+        for index, row in enumerate(rows.tolist()):
+            num_prompt = int(table.num_prompt_tokens.gpu[row])
+            known = int(table.num_tokens.gpu[row])
+            prompt = tuple(table.token_ids.gpu[row, :num_prompt].tolist())
+            future = self.continuations[prompt][known - num_prompt:]
+            for j in range(self.num_drafts):
+                self.calls += 1
+                right = future[j] if j < len(future) else 0
+                drafts[index, j] = (right + 1) % 256 if self.calls % self.corrupt_every == 0 else right
+        write_drafts(table, rows, drafts.to(rows.device), torch.full_like(rows, self.num_drafts))
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_next(tmp_path_factory):
+    from helpers_models import make_tiny_qwen3_next
+
+    return make_tiny_qwen3_next(tmp_path_factory.mktemp("qwen3_next"), with_tokenizer=True)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("model", ["llama", "qwen3_next"])
+def test_partially_accepted_drafts_keep_greedy_and_logprobs_exact(tiny_llama_path, tiny_qwen3_next, model,
+                                                                   async_scheduling):
+    """Runs of every accepted length; for Qwen3-Next also that its DeltaNet state keeps nothing
+    of rejected drafts (a wrong state would change every later token)."""
+    path = tiny_llama_path if model == "llama" else tiny_qwen3_next
+    prompts = repetitive_prompts(7)[:6]
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=2)
+    options = dict(max_num_batched_tokens=24, block_size=4, async_scheduling=async_scheduling)
+    _, want = generate(path, prompts, params, **options)
+    continuations = {tuple(p): w.outputs[0].token_ids for p, w in zip(prompts, want)}
+    llm = LLM(str(path), device="cpu", dtype="float32", speculative_config=dict(NGRAM, adaptive=False), **options)
+    llm.engine.runner.spec.proposer = OracleProposer(continuations, 3)
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_same_completions(got, want)
+    histogram = [0] * 4
+    for output in got:
+        for j, count in enumerate(output.outputs[0].spec_decode_metrics.acceptance_histogram):
+            histogram[j] += count
+    assert all(count > 0 for count in histogram), histogram  # rejected at every draft, or none
+    assert_nothing_held(llm)
+
+
+def test_a_different_draft_model_keeps_greedy_exact(tiny_llama_path, tmp_path):
+    draft = make_tiny_llama(tmp_path / "draft", seed=3, num_hidden_layers=1)
+    prompts = repetitive_prompts(11)
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=1)
+    _, want = generate(tiny_llama_path, prompts, params, max_num_batched_tokens=32)
+    speculative = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
+    llm, got = generate(tiny_llama_path, prompts, params, speculative, max_num_batched_tokens=32)
+    assert_same_completions(got, want)
+    assert llm.engine.scheduler.spec.counters.num_draft_tokens > 0
+    assert_nothing_held(llm)
+
+
+def test_a_draft_with_linear_attention_is_refused(tiny_llama_path, tiny_qwen3_next):
+    with pytest.raises(ValueError, match="linear-attention layers"):
+        LLM(str(tiny_llama_path), device="cpu", speculative_config={
+            "method": "draft_model", "model": str(tiny_qwen3_next), "num_speculative_tokens": 2})

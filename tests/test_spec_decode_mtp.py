@@ -1,0 +1,103 @@
+"""Qwen3-Next's MTP block as a draft head (``method: mtp``) on a tiny checkpoint with made-up
+``mtp.*`` weights: greedy tokens and logprobs equal to the engine without speculation (its
+DeltaNet state keeps nothing of rejected drafts), and the head's first drafts equal to those of
+a reference built from transformers' own Qwen3-Next layer with the same weights."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine_harness import assert_nothing_held
+from helpers_models import add_made_up_mtp_weights, make_tiny_qwen3_next
+from test_spec_decode_engine import assert_same_completions, generate
+from weir import LLM, SamplingParams
+
+pytestmark = pytest.mark.integration
+
+MTP = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = make_tiny_qwen3_next(tmp_path_factory.mktemp("qwen3_next_mtp"), with_tokenizer=True)
+    return add_made_up_mtp_weights(path)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_mtp_keeps_greedy_and_logprobs_exact(checkpoint, async_scheduling):
+    rng = random.Random(2)
+    prompts = [[rng.randrange(0, 256) for _ in range(n)] for n in (3, 17, 30, 41)] + [[9, 8, 7] * 9]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    options = dict(max_num_batched_tokens=16, block_size=4, async_scheduling=async_scheduling)
+    _, want = generate(checkpoint, prompts, params, **options)
+    llm, got = generate(checkpoint, prompts, params, MTP, **options)
+    assert_same_completions(got, want)
+    assert llm.engine.scheduler.spec.counters.num_draft_tokens > 0
+    assert_nothing_held(llm)
+
+
+def test_a_checkpoint_without_mtp_weights_is_refused(tmp_path):
+    path = make_tiny_qwen3_next(tmp_path / "no_mtp", with_tokenizer=True)
+    with pytest.raises(ValueError, match="MTP head.*mtp.fc.weight"):
+        LLM(str(path), device="cpu", speculative_config=MTP)
+
+
+def test_mtp_drafts_match_a_transformers_reference(checkpoint):
+    """The first two drafts after a prompt, from Weir's head, against transformers' Qwen3-Next
+    decoder layer carrying the ``mtp.layers.0`` weights (a one-layer model whose final norm is
+    ``mtp.norm`` and whose LM head is the target's), fed ``mtp.fc`` of the normed embeddings and
+    Weir's own target hidden states (the target itself is checked against transformers elsewhere)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, Qwen3NextForCausalLM
+
+    llm = LLM(str(checkpoint), device="cpu", dtype="float32", speculative_config=MTP, async_scheduling=False)
+    engine, runner = llm.engine, llm.engine.runner
+    prompt = [random.Random(5).randrange(0, 256) for _ in range(13)]
+    engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=4))
+    engine.step()  # the whole prompt in one step, then proposing
+    row = runner.table.row_of["r"]
+    tokens = runner.table.token_ids.gpu[row, : len(prompt) + 3].tolist()
+    sampled, weir_drafts = tokens[len(prompt)], tokens[len(prompt) + 1:]
+    target_hidden = runner.last_hidden[: len(prompt)].float()  # [P, hidden], post-norm
+
+    config = AutoConfig.from_pretrained(checkpoint)
+    config.num_hidden_layers, config.layer_types, config.mlp_only_layers = 1, ["full_attention"], []
+    reference = Qwen3NextForCausalLM(config).eval()
+    weights = load_file(checkpoint / "mtp.safetensors")
+    target = load_file(checkpoint / "model.safetensors")
+    state = {name.replace("mtp.layers.0.", "model.layers.0."): t for name, t in weights.items()
+             if name.startswith("mtp.layers.0.")}
+    # transformers keeps the experts fused: gate_up_proj [E, 2 I, H], down_proj [E, H, I].
+    experts = sorted({int(name.split(".")[5]) for name in state if ".mlp.experts." in name})
+    prefix = "model.layers.0.mlp.experts."
+    state[prefix + "gate_up_proj"] = torch.stack([
+        torch.cat([state.pop(f"{prefix}{e}.gate_proj.weight"), state.pop(f"{prefix}{e}.up_proj.weight")])
+        for e in experts])
+    state[prefix + "down_proj"] = torch.stack([state.pop(f"{prefix}{e}.down_proj.weight") for e in experts])
+    state["model.norm.weight"] = weights["mtp.norm.weight"]
+    state["lm_head.weight"] = target["lm_head.weight"]
+    missing, unexpected = reference.load_state_dict(state, strict=False)
+    assert not unexpected and all(name.startswith("model.embed_tokens") for name in missing), missing
+    embed = target["model.embed_tokens.weight"]
+
+    def zero_centred_norm(x, weight, eps=config.rms_norm_eps):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + weight)
+
+    def mtp_inputs(next_tokens, hidden):
+        embeds = zero_centred_norm(embed[next_tokens], weights["mtp.pre_fc_norm_embedding.weight"])
+        return torch.cat([embeds, zero_centred_norm(hidden, weights["mtp.pre_fc_norm_hidden.weight"])],
+                         dim=-1) @ weights["mtp.fc.weight"].T
+
+    with torch.no_grad():
+        inputs = mtp_inputs(torch.tensor(prompt[1:] + [sampled]), target_hidden)  # position p: token p + 1
+        out = reference(inputs_embeds=inputs[None], output_hidden_states=True)
+        first = int(out.logits[0, -1].argmax())
+        own_hidden = out.hidden_states[-1][0, -1]  # after mtp.norm: the next pass's hidden
+        inputs = torch.cat([inputs, mtp_inputs(torch.tensor([first]), own_hidden[None])])
+        second = int(reference(inputs_embeds=inputs[None]).logits[0, -1].argmax())
+    assert weir_drafts == [first, second]
+    while engine.has_unfinished_requests():
+        engine.step()
