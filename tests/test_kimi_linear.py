@@ -304,3 +304,9 @@ def test_served_with_token_ids_only(checkpoint, references, tmp_path):
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[:2]],
                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [tokens[:8] for tokens, _ in expected[:2]]
+
+
+def test_weir_testing_check_model_passes_kimi_linear(checkpoint):
+    from weir.testing import check_model
+
+    check_model(checkpoint, num_tokens=8, max_num_batched_tokens=16)
