@@ -81,6 +81,7 @@ class GatedDeltaNetLayerSpec(StateCacheSpec):
 
     @property
     def recurrent_state_shape(self) -> tuple[int, int, int]:
+        """One slot's recurrent state: ``[value heads, head_k_dim, head_v_dim]``."""
         return (self.num_v_heads, self.head_k_dim, self.head_v_dim)
 
 
@@ -113,6 +114,7 @@ class KimiDeltaAttentionLayerSpec(StateCacheSpec):
 
     @property
     def recurrent_state_shape(self) -> tuple[int, int, int]:
+        """One slot's recurrent state: ``[heads, head_dim, head_dim]``."""
         return (self.num_heads, self.head_dim, self.head_dim)
 
 

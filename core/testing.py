@@ -246,8 +246,9 @@ def check_linear_attention_backend(
     (which must not change)."""
     kinds = sorted(set(backend_cls.supported_layer_kinds) & set(_LINEAR_ATTENTION_KINDS))
     if not kinds:
-        raise ValueError(f"backend {backend_cls.name!r} serves layer kinds {sorted(backend_cls.supported_layer_kinds)}; "
-                         f"this check knows {sorted(_LINEAR_ATTENTION_KINDS)}")
+        served = sorted(backend_cls.supported_layer_kinds)
+        raise ValueError(f"backend {backend_cls.name!r} serves layer kinds {served}; this check knows "
+                         f"{sorted(_LINEAR_ATTENTION_KINDS)}")
     for kind in kinds:
         _check_linear_attention_kind(backend_cls, _LINEAR_ATTENTION_KINDS[kind], torch.device(device), dtype,
                                      state_dtype, seed)

@@ -310,3 +310,34 @@ def test_weir_testing_check_model_passes_kimi_linear(checkpoint):
     from weir.testing import check_model
 
     check_model(checkpoint, num_tokens=8, max_num_batched_tokens=16)
+
+
+def test_q_lora_and_two_shared_experts_match_transformers(tmp_path):
+    """The MLA variant with a q LoRA (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``) and a shared
+    MLP twice an expert's width, split into two shared experts; the first two layers dense."""
+    path = make_tiny_kimi_linear(tmp_path / "q_lora", with_tokenizer=True, q_lora_rank=24, n_shared_experts=2,
+                                 first_k_dense_replace=2, seed=1)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(256) for _ in range(length)] for length in (6, 33, 70)]
+    expected = transformers_greedy(path, prompts, NUM_TOKENS)
+    llm = LLM(str(path), device="cpu", dtype="float32", max_num_batched_tokens=32)
+    layers = llm.engine.runner.model.model.layers
+    assert [layer.feed_forward_name for layer in layers] == ["mlp", "mlp", "block_sparse_moe", "block_sparse_moe",
+                                                             "block_sparse_moe"]
+    assert layers[2].block_sparse_moe.experts.num_shared_experts == 2
+    watch = watch_engine(llm)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+    assert_matches(watch, outputs, expected)
+
+
+def test_dummy_weights_serve(checkpoint, tmp_path):
+    """``--load-format dummy`` (how the 48B model is benchmarked): random weights, finite logits."""
+    bare = tmp_path / "config_only"
+    bare.mkdir()
+    shutil.copy(checkpoint / "config.json", bare / "config.json")
+    llm = LLM(str(bare), device="cpu", dtype="float32", load_format="dummy", skip_tokenizer_init=True)
+    watch = watch_engine(llm)
+    output = llm.generate([{"prompt_token_ids": list(range(40))}],
+                          SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert len(output.outputs[0].token_ids) == 4
+    assert all(torch.isfinite(logits).all() for logits in watch.logits[output.request_id])

@@ -288,8 +288,8 @@ class KimiLinearForCausalLM(nn.Module):
         self.ignored_checkpoint_patterns = (r"rotary_emb\.inv_freq$", mtp_layer_pattern(num_layers))
         num_mtp = getattr(hf_config, "num_nextn_predict_layers", None) or 0
         if num_mtp:
-            logger.info("%s: the checkpoint's %d MTP layer(s) (model.layers.%d.* on) are not loaded", type(self).__name__,
-                        num_mtp, num_layers)
+            logger.info("%s: the checkpoint's %d MTP layer(s) (model.layers.%d.* on) are not loaded",
+                        type(self).__name__, num_mtp, num_layers)
         self.model = nn.Module()
         self.model.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         self.model.layers = nn.ModuleList(KimiDecoderLayer(hf_config, layer_idx, layer_type)
