@@ -103,9 +103,11 @@ def test_prefix_hits_resume_the_kda_layers_from_checkpoints(checkpoint, referenc
     """Requests run one after another, each sharing a prefix with the earlier ones: the hits
     resume the KDA layers from the state checkpoints kept at block boundaries (retention 0: each
     prompt's last boundary and where shared prefixes diverge), and every result is transformers'."""
+    num_tokens = 12
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
     rng = random.Random(3)
     base = [rng.randrange(256) for _ in range(37)]
-    (reply, _), = transformers_greedy(checkpoint, [base], NUM_TOKENS)
+    (reply, _), = transformers_greedy(checkpoint, [base], num_tokens)
     sequence = [  # (prompt, tokens it hits)
         (base, 0),
         (base[:16] + [rng.randrange(256) for _ in range(7)], 0),  # keeps the junction at 16
@@ -114,15 +116,15 @@ def test_prefix_hits_resume_the_kda_layers_from_checkpoints(checkpoint, referenc
         (base, 36),
     ]
     prompts = [prompt for prompt, _ in sequence]
-    expected = transformers_greedy(checkpoint, prompts, NUM_TOKENS)
+    expected = transformers_greedy(checkpoint, prompts, num_tokens)
     with caplog.at_level(logging.INFO, logger="weir.engine"):
-        llm = LLM(str(checkpoint), device="cpu", dtype="float32", block_size=4, max_model_len=160,
+        llm = LLM(str(checkpoint), device="cpu", dtype="float32", block_size=4, max_model_len=128,
                   max_num_batched_tokens=16)
     assert "prefix caching: on for KimiLinearForCausalLM (hybrid)" in caplog.text
     watch = watch_engine(llm)
-    outputs = [llm.generate([{"prompt_token_ids": prompt}], PARAMS, use_tqdm=False)[0] for prompt in prompts]
+    outputs = [llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0] for prompt in prompts]
     assert [output.num_cached_tokens for output in outputs] == [hits for _, hits in sequence]
-    assert_matches(watch, outputs, expected)
+    assert_matches(watch, outputs, expected, num_tokens)
     assert_nothing_held(llm)
 
 
@@ -150,7 +152,8 @@ def test_16bit_recurrent_state(checkpoint, references):
     assert len(states) == 3 and all(state.recurrent_state.dtype == torch.bfloat16 for state in states)
     assert all(state.conv_state.dtype == torch.float32 for state in states)
     watch = watch_engine(llm)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     for output, (expected_tokens, expected_logits) in zip(outputs, expected):
         logits = torch.stack(watch.logits[output.request_id][:4])
         rel_err = ((logits - expected_logits[:4]).abs().max() / expected_logits.abs().max()).item()
