@@ -1,13 +1,22 @@
-"""The linear-attention (state-slot) backend interface, for Gated DeltaNet layers and kin.
+"""The linear-attention (state-slot) backend interface: Gated DeltaNet, Kimi Delta Attention and kin.
 
 A linear-attention layer keeps no per-token KV. Each running request owns one *state slot*
 (handed out by the cache manager at admission, freed at finish, abort or preemption), and the
-layer's state tensors are indexed by slot:
+layer's state tensors are indexed by slot. Both built-in kinds keep the same two tensors, shaped
+by the layer spec (``conv_dim``, ``conv_kernel``, ``recurrent_state_shape``):
 
 - ``conv_state [num_slots + 1, conv_dim, conv_kernel]``: the last ``conv_kernel`` inputs of the
   causal depthwise conv (model dtype), oldest first, as transformers and fla keep them;
-- ``recurrent_state [num_slots + 1, num_v_heads, head_k_dim, head_v_dim]``: ``o = q^T S``; fp32 by
-  default (``linear_state_dtype``), always updated in fp32 and rounded only when stored.
+- ``recurrent_state [num_slots + 1, heads, key_dim, value_dim]``: ``o = q^T S``; fp32 by default
+  (``linear_state_dtype``), always updated in fp32 and rounded only when stored.
+
+Each state kind has its own spec and its own backend base with the forward contract of its
+layers: ``GatedDeltaNetLayerSpec`` / ``LinearAttentionBackend`` (kind ``gated_delta_net``, a
+scalar decay per head) and ``KimiDeltaAttentionLayerSpec`` / ``KimiDeltaAttentionBackend``
+(kind ``kimi_delta_attention``, a decay per key channel). ``LinearAttentionBackend`` is also the
+class every state-slot backend derives from (the runner and the plugin registry take any
+subclass): a backend of another kind overrides ``supported_layer_kinds`` and ``forward``, and
+``allocate_state`` / ``state_bytes_per_slot`` when its state is not these two tensors.
 
 The extra last slot (index ``num_slots``) absorbs the writes of CUDA-graph padding requests.
 A slot is zeroed by the runner when a request is admitted into it, so a backend always reads the
@@ -24,6 +33,7 @@ copies a checkpoint into an admitted request's slot instead of zeroing it. The c
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -33,6 +43,7 @@ import torch
 from weir.layer_cache import LayerBackend, StateCacheSpec
 
 GATED_DELTA_NET = "gated_delta_net"
+KIMI_DELTA_ATTENTION = "kimi_delta_attention"
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,44 @@ class GatedDeltaNetLayerSpec(StateCacheSpec):
         """Channels of the short conv: q, k, then v, flattened."""
         return 2 * self.key_dim + self.value_dim
 
+    @property
+    def recurrent_state_shape(self) -> tuple[int, int, int]:
+        """One slot's recurrent state: ``[value heads, head_k_dim, head_v_dim]``."""
+        return (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+
+@dataclass(frozen=True)
+class KimiDeltaAttentionLayerSpec(StateCacheSpec):
+    """Shapes of one Kimi Delta Attention layer (``linear_attn_config``'s ``num_heads``,
+    ``head_dim`` and ``short_conv_kernel_size``): q, k and v each have ``num_heads`` heads of
+    ``head_dim``, so the state of a head is ``[head_dim, head_dim]``."""
+
+    layer_idx: int
+    num_heads: int
+    head_dim: int
+    conv_kernel: int
+    kind: str = KIMI_DELTA_ATTENTION
+
+    def __post_init__(self):
+        if min(self.num_heads, self.head_dim, self.conv_kernel) < 1:
+            raise ValueError(f"layer {self.layer_idx}: a Kimi Delta Attention layer needs positive num_heads, "
+                             f"head_dim and conv_kernel, got {self.num_heads}, {self.head_dim}, {self.conv_kernel}")
+
+    @property
+    def key_dim(self) -> int:
+        """Channels of each of q, k and v (also the per-channel decay's)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the short convs: q, k, then v, flattened (three depthwise convs side by side)."""
+        return 3 * self.key_dim
+
+    @property
+    def recurrent_state_shape(self) -> tuple[int, int, int]:
+        """One slot's recurrent state: ``[heads, head_dim, head_dim]``."""
+        return (self.num_heads, self.head_dim, self.head_dim)
+
 
 @dataclass
 class LinearAttentionMetadata:
@@ -88,7 +137,7 @@ class LayerState:
     """One linear-attention layer's state tensors, indexed by slot."""
 
     conv_state: torch.Tensor  # [num_slots + 1, conv_dim, conv_kernel], model dtype
-    recurrent_state: torch.Tensor  # [num_slots + 1, num_v_heads, head_k_dim, head_v_dim], state_dtype
+    recurrent_state: torch.Tensor  # [num_slots + 1, *recurrent_state_shape], state_dtype
 
     def zero_slots(self, slots: torch.Tensor) -> None:
         """Reset the given slots (int64 device indices) for newly admitted requests."""
@@ -112,7 +161,8 @@ def copy_state_slots(source: Any, slots: torch.Tensor, target: Any, target_slots
 
 
 class LinearAttentionBackend(LayerBackend, ABC):
-    """A way to run Gated DeltaNet layers over per-request state slots.
+    """A way to run Gated DeltaNet layers over per-request state slots (and the base of every
+    state-slot backend: see the module docstring).
 
     The model computes the projections and the gates; the backend, per request and token:
 
@@ -138,18 +188,19 @@ class LinearAttentionBackend(LayerBackend, ABC):
         self.device = device
         self.state_dtype = state_dtype
 
-    def allocate_state(self, num_slots: int, layer: GatedDeltaNetLayerSpec) -> LayerState:
-        """Zeroed state for ``num_slots`` requests plus the padding slot."""
+    def allocate_state(self, num_slots: int, layer: StateCacheSpec) -> LayerState:
+        """Zeroed state for ``num_slots`` requests plus the padding slot, shaped by the spec's
+        ``conv_dim``, ``conv_kernel`` and ``recurrent_state_shape``."""
         return LayerState(
             conv_state=torch.zeros(num_slots + 1, layer.conv_dim, layer.conv_kernel,
                                    dtype=self.dtype, device=self.device),
-            recurrent_state=torch.zeros(num_slots + 1, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim,
+            recurrent_state=torch.zeros(num_slots + 1, *layer.recurrent_state_shape,
                                         dtype=self.state_dtype, device=self.device),
         )
 
-    def state_bytes_per_slot(self, layer: GatedDeltaNetLayerSpec) -> int:
+    def state_bytes_per_slot(self, layer: StateCacheSpec) -> int:
         conv = layer.conv_dim * layer.conv_kernel * self.dtype.itemsize
-        recurrent = layer.num_v_heads * layer.head_k_dim * layer.head_v_dim * self.state_dtype.itemsize
+        recurrent = math.prod(layer.recurrent_state_shape) * self.state_dtype.itemsize
         return conv + recurrent
 
     def build_metadata(self, metadata: LinearAttentionMetadata) -> LinearAttentionMetadata:
@@ -168,3 +219,41 @@ class LinearAttentionBackend(LayerBackend, ABC):
         metadata: LinearAttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_v_heads, head_v_dim] in the model dtype
         """Conv + SiLU, split, L2-norm, gated delta rule; updates the request slots in place."""
+
+
+class KimiDeltaAttentionBackend(LinearAttentionBackend):
+    """A way to run Kimi Delta Attention layers (Kimi Linear's KDA) over per-request state slots.
+
+    The state is ``LinearAttentionBackend``'s (``conv_state`` of the three depthwise convs side by
+    side, ``recurrent_state [H, K, K]``). The model computes the projections and the gates; the
+    backend, per request and token:
+
+    1. shifts the token's pre-conv channels (q, k, v, each ``H * K``) into the slot's conv window
+       and takes ``SiLU(sum_j window[:, j] * conv_weight[:, j])`` in fp32, rounded to the model dtype;
+    2. splits the result into q, k, v ``[H, K]`` and, in fp32, L2-normalises q and k as
+       ``x / sqrt(sum(x^2) + 1e-6)`` (transformers' and fla's Kimi formula), then scales q by
+       ``K ** -0.5``;
+    3. runs the delta rule with a decay per key channel in fp32 on the slot's state ``S [H, K, K]``:
+       ``S = diag(exp(g)) S;  S += k (beta (v - S^T k))^T;  o = S^T q``, with ``g [H, K]`` and
+       ``beta [H]`` read as fp32;
+    4. returns ``o`` in the model dtype and leaves the conv window and ``S`` in the slot.
+
+    ``weir.plugins.attention.kda_torch`` is the reference. Registered like any linear-attention
+    backend (``supported_layer_kinds`` say ``kimi_delta_attention``) and constructed as
+    ``cls(dtype, device, state_dtype)``.
+    """
+
+    supported_layer_kinds: ClassVar[frozenset[str]] = frozenset({KIMI_DELTA_ATTENTION})
+
+    @abstractmethod
+    def forward(
+        self,
+        layer: KimiDeltaAttentionLayerSpec,
+        mixed_qkv: torch.Tensor,  # [num_tokens, 3 * H * K] pre-conv q|k|v channels; rows may be strided
+        g: torch.Tensor,  # [num_tokens, H, K] fp32 log-decay per key channel (<= 0)
+        beta: torch.Tensor,  # [num_tokens, H] in (0, 1)
+        conv_weight: torch.Tensor,  # [3 * H * K, conv_kernel]
+        state: LayerState,
+        metadata: LinearAttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, H, K] in the model dtype
+        """Conv + SiLU, split, L2-norm, per-channel delta rule; updates the request slots in place."""

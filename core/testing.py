@@ -4,14 +4,16 @@
     check_model("path/to/tiny-checkpoint")                 # a model plugin against transformers
     check_moe_backend(MyMoEBackend())                      # raises AssertionError naming the case
     check_linear_attention_backend(MyGDNBackend, device="cuda", dtype=torch.bfloat16)
+    check_linear_attention_backend(MyKDABackend)           # a Kimi Delta Attention backend, likewise
 
 ``check_model`` serves prompts of several lengths through ``weir.LLM`` (greedy, with the chosen
 tokens' logprobs) and compares them with transformers' own model run in a subprocess
 (``transformers_greedy``). The backend checks feed the backend and the reference
-(``weir.plugins.moe_backends.torch_ref`` / ``weir.plugins.attention.gdn_torch``) the same random
-inputs over the cases the engine produces (every routing method of ``weir.moe.Routing``, shared
-experts gated and not; prefill, chunked and mixed steps, decodes, a CUDA-graph padding request
-on the padding slot) and compares outputs and state slots. Tolerances: elementwise 1e-4 (relative, and
+(``weir.plugins.moe_backends.torch_ref``; ``weir.plugins.attention.gdn_torch`` or ``kda_torch``
+by the layer kind a linear-attention backend serves) the same random inputs over the cases the
+engine produces (every routing method of ``weir.moe.Routing``, shared experts gated and not;
+prefill, chunked and mixed steps, decodes, a CUDA-graph padding request on the padding slot) and
+compares outputs and state slots. Tolerances: elementwise 1e-4 (relative, and
 absolute times the largest value) for float32; for 16-bit dtypes, where fast kernels round and
 sum in other orders, 2% relative error in norm.
 """
@@ -27,7 +29,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from weir.linear_attention import GatedDeltaNetLayerSpec, LinearAttentionBackend, LinearAttentionMetadata
+from weir.linear_attention import (
+    GATED_DELTA_NET,
+    KIMI_DELTA_ATTENTION,
+    GatedDeltaNetLayerSpec,
+    KimiDeltaAttentionLayerSpec,
+    LinearAttentionBackend,
+    LinearAttentionMetadata,
+)
 from weir.moe import MoEBackend, Routing
 
 # transformers swaps in fla's Triton kernels for Gated DeltaNet (and Dao's conv / mamba kernels)
@@ -96,6 +105,11 @@ GDN_LAYERS = (
     GatedDeltaNetLayerSpec(layer_idx=0, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16, conv_kernel=4),
     # Non-power-of-two head dims, one q/k head for three value heads, a 3-tap conv.
     GatedDeltaNetLayerSpec(layer_idx=1, num_k_heads=1, num_v_heads=3, head_k_dim=12, head_v_dim=20, conv_kernel=3),
+)
+KDA_LAYERS = (
+    KimiDeltaAttentionLayerSpec(layer_idx=0, num_heads=2, head_dim=16, conv_kernel=4),
+    # A non-power-of-two head dim, three heads, a 3-tap conv.
+    KimiDeltaAttentionLayerSpec(layer_idx=1, num_heads=3, head_dim=12, conv_kernel=3),
 )
 NUM_SLOTS = 6  # slots 0..5 for requests; slot 6 is the padding slot
 # Steps of three requests on scattered slots: (query lengths, slots). The first prompt spans
@@ -200,6 +214,25 @@ def check_moe_backend(backend: MoEBackend, device: str | torch.device = "cpu", d
         _assert_close(actual, expected, dtype, f"MoE backend {backend.name!r}, {case}")
 
 
+class _LinearAttentionKind(NamedTuple):
+    """What ``check_linear_attention_backend`` runs a backend of one state kind with."""
+
+    layers: tuple
+    reference: str  # "module:Class" of the torch reference backend
+    decay_shape: Any  # layer -> the per-token shape of g (after the token dim)
+    beta_heads: Any  # layer -> the heads of beta
+
+
+_LINEAR_ATTENTION_KINDS = {
+    GATED_DELTA_NET: _LinearAttentionKind(
+        GDN_LAYERS, "weir.plugins.attention.gdn_torch:TorchGDNBackend",
+        lambda layer: (layer.num_v_heads,), lambda layer: layer.num_v_heads),
+    KIMI_DELTA_ATTENTION: _LinearAttentionKind(
+        KDA_LAYERS, "weir.plugins.attention.kda_torch:TorchKDABackend",
+        lambda layer: (layer.num_heads, layer.head_dim), lambda layer: layer.num_heads),
+}
+
+
 def check_linear_attention_backend(
     backend_cls: type[LinearAttentionBackend],
     device: str | torch.device = "cpu",
@@ -207,19 +240,34 @@ def check_linear_attention_backend(
     state_dtype: torch.dtype = torch.float32,
     seed: int = 0,
 ) -> None:
-    """A Gated DeltaNet backend against the torch reference over prefill, mixed and decode steps
-    (``GDN_STEPS``), from the same non-zero states: outputs, the used slots after every step, and
-    the untouched slots (which must not change)."""
-    from weir.plugins.attention.gdn_torch import TorchGDNBackend
+    """A Gated DeltaNet or Kimi Delta Attention backend (each kind of ``supported_layer_kinds``)
+    against its torch reference over prefill, mixed and decode steps (``GDN_STEPS``), from the
+    same non-zero states: outputs, the used slots after every step, and the untouched slots
+    (which must not change)."""
+    kinds = sorted(set(backend_cls.supported_layer_kinds) & set(_LINEAR_ATTENTION_KINDS))
+    if not kinds:
+        served = sorted(backend_cls.supported_layer_kinds)
+        raise ValueError(f"backend {backend_cls.name!r} serves layer kinds {served}; this check knows "
+                         f"{sorted(_LINEAR_ATTENTION_KINDS)}")
+    for kind in kinds:
+        _check_linear_attention_kind(backend_cls, _LINEAR_ATTENTION_KINDS[kind], torch.device(device), dtype,
+                                     state_dtype, seed)
 
-    device = torch.device(device)
+
+def _check_linear_attention_kind(backend_cls: type[LinearAttentionBackend], kind: _LinearAttentionKind,
+                                 device: torch.device, dtype: torch.dtype, state_dtype: torch.dtype,
+                                 seed: int) -> None:
+    import importlib
+
+    module_name, _, class_name = kind.reference.partition(":")
+    reference_cls = getattr(importlib.import_module(module_name), class_name)
     generator = torch.Generator().manual_seed(seed)
 
     def randn(*shape, scale=1.0, out_dtype=dtype):
         return (torch.randn(*shape, generator=generator) * scale).to(device=device, dtype=out_dtype)
 
-    for layer in GDN_LAYERS:
-        backends = [backend_cls(dtype, device, state_dtype), TorchGDNBackend(dtype, device, state_dtype)]
+    for layer in kind.layers:
+        backends = [backend_cls(dtype, device, state_dtype), reference_cls(dtype, device, state_dtype)]
         states = [backend.allocate_state(NUM_SLOTS, layer) for backend in backends]
         initial_conv = randn(*states[1].conv_state.shape, out_dtype=states[1].conv_state.dtype)
         initial_recurrent = randn(*states[1].recurrent_state.shape, scale=0.3, out_dtype=state_dtype)
@@ -227,12 +275,14 @@ def check_linear_attention_backend(
             state.conv_state.copy_(initial_conv)
             state.recurrent_state.copy_(initial_recurrent)
         conv_weight = randn(layer.conv_dim, layer.conv_kernel, scale=0.5)
+        beta_heads = kind.beta_heads(layer)
         for step, (query_lens, slots) in enumerate(GDN_STEPS):
             num_tokens = sum(query_lens)
             # Rows strided, as the model's merged input projection hands them over.
-            mixed_qkv = randn(num_tokens, layer.conv_dim + 2 * layer.num_v_heads)[:, :layer.conv_dim]
-            g = -torch.nn.functional.softplus(randn(num_tokens, layer.num_v_heads, out_dtype=torch.float32)) * 0.5
-            beta = torch.sigmoid(randn(num_tokens, layer.num_v_heads, out_dtype=torch.float32)).to(dtype)
+            mixed_qkv = randn(num_tokens, layer.conv_dim + 2 * beta_heads)[:, :layer.conv_dim]
+            log_decay = randn(num_tokens, *kind.decay_shape(layer), out_dtype=torch.float32)
+            g = -torch.nn.functional.softplus(log_decay) * 0.5
+            beta = torch.sigmoid(randn(num_tokens, beta_heads, out_dtype=torch.float32)).to(dtype)
             outputs = [backend.forward(layer, mixed_qkv, g, beta, conv_weight, state,
                                        backend.build_metadata(_step_metadata(query_lens, slots, device)))
                        for backend, state in zip(backends, states)]

@@ -218,6 +218,66 @@ def make_tiny_glm_moe_dsa(path: Path, *, seed: int = 0, with_tokenizer: bool = F
                         random_buffers=("e_score_correction_bias",))
 
 
+# Kimi Linear at test size: 5 layers declared as the released checkpoints declare them (1-indexed
+# lists, the last layer MLA), KDA with 2 heads of 16 and a 4-tap conv, MLA without q LoRA (and
+# v_head_dim != qk_nope_head_dim), layer 1 dense, 8 experts top-2 in one group plus a shared expert.
+KIMI_LINEAR_ATTN_CONFIG = {"kda_layers": [1, 2, 4], "full_attn_layers": [3, 5], "num_heads": 2, "head_dim": 16,
+                           "short_conv_kernel_size": 4}
+_KIMI_LINEAR = dict(
+    num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
+    q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+    num_local_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
+    moe_intermediate_size=32, routed_scaling_factor=2.446, norm_topk_prob=True, first_k_dense_replace=1,
+    rms_norm_eps=1e-5, tie_word_embeddings=False,
+)
+# What transformers derives from the remote-code config and writes back: the released config.json
+# has none of these (tests/test_kimi_linear.py reads both forms).
+_KIMI_DERIVED_CONFIG_KEYS = ("layer_types", "mlp_layer_types", "linear_head_dim", "linear_num_heads",
+                             "linear_conv_kernel_dim", "qk_head_dim", "head_dim")
+
+
+def make_tiny_kimi_linear(path: Path, *, seed: int = 0, with_tokenizer: bool = False,
+                          layout: str = "released", **overrides: Any) -> Path:
+    """Kimi Linear (``_KIMI_LINEAR``, ``KIMI_LINEAR_ATTN_CONFIG``) with a random non-zero
+    ``e_score_correction_bias`` and slow KDA decays (``A_log`` from log 0.02 to log 0.3, where
+    transformers draws log 1 to log 16), so state carried across steps matters for many tokens.
+
+    ``layout="released"`` rewrites transformers' save into the released checkpoints' form: the
+    remote-code config (``linear_attn_config`` alone says the layer kinds; ``num_experts``,
+    ``mla_use_nope``, ...) and the dense first layer under ``mlp.``. ``layout="transformers"``
+    keeps what ``save_pretrained`` wrote (the dense layer under ``block_sparse_moe.``).
+    """
+    from safetensors.torch import load_file, save_file
+    from transformers import KimiLinearConfig
+
+    if layout not in ("released", "transformers"):
+        raise ValueError(f"layout must be 'released' or 'transformers', got {layout!r}")
+    options = {**_COMMON, **_KIMI_LINEAR, "linear_attn_config": KIMI_LINEAR_ATTN_CONFIG,
+               "architectures": ["KimiLinearForCausalLM"], **overrides}
+    config = KimiLinearConfig(**options)
+    path = _save_random(config, path, seed, with_tokenizer, random_buffers=("e_score_correction_bias",))
+    weights = load_file(str(path / "model.safetensors"))
+    generator = torch.Generator().manual_seed(seed)
+    for name in weights:
+        if name.endswith(".A_log"):
+            decay_rate = torch.empty(weights[name].shape).uniform_(0.02, 0.3, generator=generator)
+            weights[name] = decay_rate.log()
+    if layout == "released":
+        dense_layers = [i for i, kind in enumerate(config.mlp_layer_types) if kind == "dense"]
+        for layer in dense_layers:
+            prefix = f"model.layers.{layer}."
+            for name in [n for n in weights if n.startswith(prefix + "block_sparse_moe.")]:
+                weights[name.replace(".block_sparse_moe.", ".mlp.")] = weights.pop(name)
+        config_file = path / "config.json"
+        saved = json.loads(config_file.read_text())
+        released = {key: value for key, value in saved.items() if key not in _KIMI_DERIVED_CONFIG_KEYS}
+        released.update(mla_use_nope=True, moe_router_activation_func="sigmoid", moe_layer_freq=1,
+                        use_grouped_topk=True, num_nextn_predict_layers=0)
+        config_file.write_text(json.dumps(released, indent=2))
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
 def tiny_model_config(path: Path, dtype: torch.dtype = torch.float32,
                       max_model_len: int | None = None) -> Any:
     """A ``weir.config.ModelConfig`` for a tiny checkpoint folder, built without EngineArgs."""

@@ -87,8 +87,8 @@ def test_platform_settings():
     assert RocmPlatform.device_type == CudaPlatform.device_type == "cuda"
     assert CudaPlatform.supports_graphs and not XpuPlatform.supports_graphs
     assert not CpuPlatform.supports_graphs and not CpuPlatform.supports_triton
-    assert CudaPlatform.preferred_attention_backends == ("triton", "gdn_fla", "triton_mla", "torch", "gdn_torch",
-                                                         "mla_torch")
+    assert CudaPlatform.preferred_attention_backends == ("triton", "gdn_fla", "triton_mla", "kda_fla", "torch",
+                                                         "gdn_torch", "mla_torch", "kda_torch")
     assert XpuPlatform.preferred_moe_backends == ("torch",)
     assert CpuPlatform.pin_memory is False and CudaPlatform.pin_memory is True
     # Building a device handle touches no device.

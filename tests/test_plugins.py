@@ -156,7 +156,7 @@ def test_attention_backend_selection():
         registry.select_attention_backend(platform, {"linear_attention"}, "torch")
     with pytest.raises(ValueError, match="no attention backend fits platform 'cpu'"):
         registry.select_attention_backend(platform, {"linear_attention"}, None)
-    known = "gdn_fla, gdn_torch, mla_torch, torch, triton"
+    known = "gdn_fla, gdn_torch, kda_fla, kda_torch, mla_torch, torch, triton, triton_mla"
     with pytest.raises(ValueError, match=f"unknown attention backend 'flash'; known: {known}"):
         registry.select_attention_backend(platform, {"full_attention"}, "flash")
 

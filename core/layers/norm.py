@@ -110,3 +110,16 @@ class GatedRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class SigmoidGatedRMSNorm(GatedRMSNorm):
+    """Norm, then a sigmoid gate, all in fp32: ``(w * x / rms(x) * sigmoid(gate)).to(dtype)`` per row
+    (Kimi Linear's output norm, ``KimiLinearRMSNormGated``). Unlike ``GatedRMSNorm`` nothing is
+    rounded before the gate multiplies, and the weight is used in fp32."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        # x, gate: [..., hidden]
+        x_fp32 = x.float()
+        variance = x_fp32.pow(2).mean(-1, keepdim=True)
+        normed = self.weight.float() * (x_fp32 * torch.rsqrt(variance + self.eps))
+        return (normed * torch.sigmoid(gate.float())).to(x.dtype)

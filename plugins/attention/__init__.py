@@ -12,4 +12,6 @@ def weir_attention_backends() -> list[AttentionBackendSpec]:
         AttentionBackendSpec("gdn_torch", "weir.plugins.attention.gdn_torch:TorchGDNBackend"),
         AttentionBackendSpec("gdn_fla", "weir.plugins.attention.gdn_fla:FlaGDNBackend"),
         AttentionBackendSpec("mla_torch", "weir.plugins.attention.mla_torch:TorchMLABackend"),
+        AttentionBackendSpec("kda_torch", "weir.plugins.attention.kda_torch:TorchKDABackend"),
+        AttentionBackendSpec("kda_fla", "weir.plugins.attention.kda_fla:FlaKDABackend"),
     ]

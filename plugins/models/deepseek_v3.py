@@ -97,9 +97,13 @@ class LatentInputProj(MergedLinear):
 class MLAAttention(nn.Module):
     """Projections, latent norm and RoPE of one MLA layer (``DeepseekV3Attention``); the backend
     stores the latent and attends. A sparse layer's ``indexer`` (DeepSeek-V3.2) turns the hidden
-    state and the q latent into ``IndexerInputs``."""
+    state and the q latent into ``IndexerInputs``.
 
-    def __init__(self, hf_config: Any, layer_idx: int, rotary_emb: RotaryEmbedding,
+    ``rotary_emb=None`` is MLA without RoPE (Kimi Linear's ``mla_use_nope``): the rope part of q
+    and the shared rope key are cached and used unrotated, and the softmax scale is the plain
+    ``(qk_nope + qk_rope) ** -0.5`` (no YaRN mscale)."""
+
+    def __init__(self, hf_config: Any, layer_idx: int, rotary_emb: RotaryEmbedding | None,
                  indexer: nn.Module | None = None):
         super().__init__()
         hidden = hf_config.hidden_size
@@ -132,7 +136,8 @@ class MLAAttention(nn.Module):
         self.spec = MLALayerSpec(
             layer_idx=layer_idx, num_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank,
             qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
-            v_head_dim=self.v_head_dim, scale=mla_softmax_scale(hf_config), **index_fields)
+            v_head_dim=self.v_head_dim,
+            scale=mla_softmax_scale(hf_config) if rotary_emb is not None else qk_head_dim ** -0.5, **index_fields)
         self.w_uk: torch.Tensor | None = None
         self.w_uv: torch.Tensor | None = None
 
@@ -156,12 +161,14 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         kv_c, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)  # [num_tokens, kv_lora_rank]
-        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1))
+        if self.rotary_emb is not None:
+            q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.unsqueeze(1))
+            k_pe = k_pe.squeeze(1)
         indexer_inputs: IndexerInputs | None = None
         if self.indexer is not None:
             indexer_inputs = self.indexer(positions, hidden_states, q_latent)
         layer = ctx.layers[self.spec.layer_idx]
-        attn_out = layer.backend.forward(self.spec, q_nope, q_pe, kv_c, k_pe.squeeze(1), layer.cache,
+        attn_out = layer.backend.forward(self.spec, q_nope, q_pe, kv_c, k_pe, layer.cache,
                                          layer.metadata, self.w_uk, self.w_uv,
                                          indexer=indexer_inputs)  # [num_tokens, H, v_head_dim]
         expected = (num_tokens, self.num_heads, self.v_head_dim)
@@ -190,7 +197,16 @@ class DeepseekMoE(nn.Module):
     """Sigmoid scores plus the correction bias choose the top-k within the best expert groups;
     ``n_shared_experts`` shared experts (one MLP of ``n_shared_experts * moe_intermediate_size``
     in the checkpoint) are split after loading into that many experts of the routed width, which
-    every token takes at weight 1: the MoE kernels compute them with the routed ones."""
+    every token takes at weight 1: the MoE kernels compute them with the routed ones.
+
+    Subclasses of other families (Kimi Linear) say where their config counts the routed experts
+    (``num_routed_experts``) and how their checkpoint names them (``experts_cls``)."""
+
+    experts_cls: type[FusedExperts] = FusedExperts
+
+    @staticmethod
+    def num_routed_experts(hf_config: Any) -> int:
+        return hf_config.n_routed_experts
 
     def __init__(self, hf_config: Any):
         super().__init__()
@@ -201,7 +217,7 @@ class DeepseekMoE(nn.Module):
             raise ValueError(f"DeepSeek-V3 MoE routing is sigmoid scoring with noaux_tc top-k; this config asks for "
                              f"scoring_func={scoring!r}, topk_method={topk_method!r}")
         hidden = hf_config.hidden_size
-        num_experts = hf_config.n_routed_experts
+        num_experts = self.num_routed_experts(hf_config)
         self.intermediate_size = hf_config.moe_intermediate_size
         self.num_shared = int(hf_config.n_shared_experts or 0)
         self.gate = Router(hidden, num_experts)
@@ -209,8 +225,8 @@ class DeepseekMoE(nn.Module):
             num_experts, hf_config.num_experts_per_tok, num_groups=hf_config.n_group or 1,
             top_k_groups=hf_config.topk_group or 1, renormalize=bool(hf_config.norm_topk_prob),
             routed_scaling_factor=hf_config.routed_scaling_factor)
-        self.experts = FusedExperts(num_experts, hidden, self.intermediate_size, hf_config.hidden_act,
-                                    num_shared_experts=self.num_shared, routing=routing)
+        self.experts = self.experts_cls(num_experts, hidden, self.intermediate_size, hf_config.hidden_act,
+                                        num_shared_experts=self.num_shared, routing=routing)
         self.shared_experts = (GatedMLP(hidden, self.num_shared * self.intermediate_size, hf_config.hidden_act)
                                if self.num_shared else None)
 

@@ -26,7 +26,7 @@ class CpuPlatform(Platform):
     supports_graphs = False
     supports_triton = False
     pin_memory = False
-    preferred_attention_backends = ("torch", "gdn_torch", "mla_torch")
+    preferred_attention_backends = ("torch", "gdn_torch", "mla_torch", "kda_torch")
     preferred_moe_backends = ("torch",)
 
     @classmethod

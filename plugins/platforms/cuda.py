@@ -24,7 +24,8 @@ class TorchCudaPlatformBase(Platform):
     supports_triton = True
     pin_memory = True
     # triton_mla, the Triton MLA / DSA backend, is skipped while it is not registered.
-    preferred_attention_backends = ("triton", "gdn_fla", "triton_mla", "torch", "gdn_torch", "mla_torch")
+    preferred_attention_backends = ("triton", "gdn_fla", "triton_mla", "kda_fla",
+                                    "torch", "gdn_torch", "mla_torch", "kda_torch")
     preferred_moe_backends = ("triton", "torch")
 
     @staticmethod

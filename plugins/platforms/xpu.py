@@ -14,7 +14,7 @@ class XpuPlatform(Platform):
     supports_graphs = False
     supports_triton = True
     pin_memory = True
-    preferred_attention_backends = ("torch", "gdn_torch", "mla_torch")
+    preferred_attention_backends = ("torch", "gdn_torch", "mla_torch", "kda_torch")
     preferred_moe_backends = ("torch",)
 
     @staticmethod
