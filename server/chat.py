@@ -154,7 +154,9 @@ async def _events(chat: ChatCompletionRequest, header: ResponseHeader, generatio
                 finished = completion.finish_reason is not None
                 delta = splitters[index].feed(completion.text[len(sent_text[index]):], finished)
                 num_tokens = len(completion.token_ids)
-                if delta["content"] or len(delta) > 1 or (chat.logprobs and num_tokens > sent_tokens[index]):
+                # New tokens with no text yet still get their chunk (see completions.py).
+                if delta["content"] or len(delta) > 1 or (num_tokens > sent_tokens[index]
+                                                          and (not finished or chat.logprobs)):
                     logprobs = _logprobs(chat, completion, sent_tokens[index], token_bytes)
                     yield chunk(index, delta, logprobs)
                 sent_text[index], sent_tokens[index] = completion.text, num_tokens

@@ -135,7 +135,11 @@ async def _events(body: CompletionRequest, header: ResponseHeader, generations: 
                     yield chunk(prompt_index, completion, "",
                                 new_token_ids=list(completion.token_ids[sent_tokens[key]:num_tokens]))
                     sent_tokens[key] = num_tokens
-                elif delta_text or (body.logprobs is not None and num_tokens > sent_tokens[key]):
+                elif delta_text or (num_tokens > sent_tokens[key]
+                                    and (completion.finish_reason is None or body.logprobs is not None)):
+                    # Tokens with no text yet (special tokens, bytes of an unfinished character)
+                    # still get their chunk, as vLLM sends it: the client sees the stream move
+                    # and can time its first token. A final step's is left to the closing chunk.
                     logprobs, offsets[key] = _logprobs(body, completion, sent_tokens[key], offsets[key])
                     yield chunk(prompt_index, completion, delta_text, logprobs)
                     sent_text[key], sent_tokens[key] = completion.text, num_tokens

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import re
 import socket
 import time
 
@@ -308,6 +309,22 @@ def read_all(sock: socket.socket, timeout: float) -> bytes:
     return data
 
 
+def read_response(sock: socket.socket, timeout: float) -> tuple[bytes, bytes]:
+    """One HTTP response's head and body, however the server's writes were split into segments."""
+    sock.settimeout(timeout)
+    data = b""
+    while True:
+        head, found, body = data.partition(b"\r\n\r\n")
+        if found:
+            length = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+            if length and len(body) >= int(length.group(1)):
+                return head, body
+        chunk = sock.recv(65536)
+        if not chunk:
+            return head, body
+        data += chunk
+
+
 def http_error(raw: bytes) -> tuple[int, dict]:
     head, _, body = raw.partition(b"\r\n\r\n")
     assert b"connection: close" in head.lower(), head
@@ -345,8 +362,7 @@ def test_a_body_that_trickles_in_gets_408_and_others_are_served(server):
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                      b"content-length: 100\r\nauthorization: " + AUTH["authorization"].encode() + b"\r\n\r\n{")
         assert request("POST", server.port, COMPLETIONS_PATH, completion(), AUTH)[0] == 200
-        sock.settimeout(HEADER_TIMEOUT + 10)
-        head, _, body = sock.recv(65536).partition(b"\r\n\r\n")
+        head, body = read_response(sock, HEADER_TIMEOUT + 10)
         assert int(head.split()[1]) == 408
         assert_openai_error(json.loads(body), 408, None, "request body did not arrive within")
         assert time.monotonic() - started < HEADER_TIMEOUT + 5

@@ -1,7 +1,8 @@
 """What a stream shows of a reply made of bytes that are no whole character: the tiny model's
 output is scripted (token b is byte b), so the reply is known. A run of lone UTF-8 lead bytes
 must reach the client within a few tokens, not all at once at the end, and the streamed text must
-be what ``tokenizer.decode`` of the reply shows, also cut at stop strings."""
+be what ``tokenizer.decode`` of the reply shows, also cut at stop strings. Tokens that show no
+text at all (special tokens, skipped) still move the stream, as in vLLM."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import asyncio
 
 import pytest
 
-from helpers_models import TINY_EOS_ID
+from helpers_models import TINY_EOS_ID, TINY_PAD_ID
 from server_helpers import stream_sse
 from server_inprocess import ScriptedReply, serve_in_thread
 
@@ -75,3 +76,22 @@ def test_chat_stream_of_lone_lead_bytes(served):
         text += content
     assert text == tokenizer.decode(LONE_LEADS)
     assert tokens_at_first_text <= 4
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_tokens_without_text_still_stream(served, path):
+    """A reply of special tokens only shows no text, but each step's tokens get a chunk: a client
+    (and ``bench serve``, which timed no first token here) sees the stream move before it ends."""
+    port, script, _ = served
+    script.tokens = [TINY_PAD_ID] * 8 + list(b"a") + [TINY_PAD_ID] * 8 + [TINY_EOS_ID]
+    body = {"model": "tiny", "max_tokens": 64, "stream": True}
+    body |= {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    result = asyncio.run(stream_sse(port, path, body))
+    assert result.status == 200 and result.done
+    texts = []  # the text of every chunk that carries tokens, the opening role and the closing one aside
+    for event in result.events:
+        choice = event["choices"][0]
+        if choice["finish_reason"] is None and "role" not in choice.get("delta", {}):
+            texts.append(choice["text"] if "text" in choice else choice["delta"].get("content") or "")
+    assert "".join(texts) == "a"
+    assert texts.index("a") > 0 and len(texts) > texts.index("a") + 1, texts
