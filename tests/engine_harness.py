@@ -127,7 +127,8 @@ def assert_greedy_parity(weir_tokens, hf_tokens, hf_logits, margin_tol):
     for index, (ours, theirs) in enumerate(zip(weir_tokens, hf_tokens)):
         if ours != theirs:
             margin = (hf_logits[index][theirs] - hf_logits[index][ours]).item()
-            assert margin <= margin_tol, f"token {index}: {ours} vs {theirs}, reference margin {margin:.3f}"
+            assert margin <= margin_tol, (f"token {index}: {ours} vs {theirs}, reference margin {margin:.3g} "
+                                          f"(at most {margin_tol:.3g})")
             return index
     assert len(weir_tokens) == len(hf_tokens)
     return len(weir_tokens)

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from engine_harness import assert_nothing_held, assert_steps_do_not_sync, watch_engine
+from engine_harness import assert_greedy_parity, assert_nothing_held, assert_steps_do_not_sync, watch_engine
 from helpers_models import make_tiny_kimi_linear
 from weir import LLM, SamplingParams
 from weir.testing import check_linear_attention_backend, transformers_greedy
@@ -43,6 +43,42 @@ def identical_prefix(tokens: list[int], reference: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
 
 
+# Greedy runs of a tiny random bf16 model part from fp32 at the first near-tie (a matched-count
+# ratio between two such runs is noise: Granite's GPU run kept 1 to 16 of 32 tokens). What a bug
+# cannot hide is a difference where fp32 prefers its token clearly, or logits farther from fp32
+# than bf16 puts them where the context is still fp32's (up to and including the first
+# difference). Both bounds are transformers' own bf16 error on the same prompts times SLACK.
+SLACK = {"float32": 3.0, "bfloat16": 6.0}  # 16-bit states round once more per step
+
+
+def shared_positions(tokens: list[int], reference: list[int]) -> int:
+    """How many leading positions saw fp32's context: through the first difference."""
+    return min(identical_prefix(tokens, reference) + 1, len(reference))
+
+
+def near_tie_margin(hf_bf16, truth, slack: float) -> float:
+    """The fp32 logit margin under which bf16 rounding may swap the top two tokens: twice (both
+    logits move) ``slack`` times transformers-bf16's largest logit error over the positions
+    whose context was fp32's."""
+    error = max((logits[:count] - reference_logits[:count]).abs().max().item()
+                for (tokens, logits), (reference, reference_logits) in zip(hf_bf16, truth)
+                for count in [shared_positions(tokens, reference)])
+    return 2 * slack * error
+
+
+def greedy_parity(token_lists: list[list[int]], truth, margin: float) -> tuple[list[int], list[str]]:
+    """``assert_greedy_parity`` against fp32 for every prompt, all reported: the tokens identical
+    per prompt, and one message per prompt that parted at a clear fp32 preference."""
+    matched, failures = [], []
+    for index, (tokens, (reference, reference_logits)) in enumerate(zip(token_lists, truth)):
+        try:
+            matched.append(assert_greedy_parity(tokens, reference, reference_logits, margin_tol=margin))
+        except AssertionError as error:
+            matched.append(identical_prefix(tokens, reference))
+            failures.append(f"prompt {index}: {error}")
+    return matched, failures
+
+
 def test_the_kda_backend_conforms():
     pytest.importorskip("fla")
     from weir.plugins.attention.kda_fla import FlaKDABackend
@@ -54,18 +90,19 @@ def test_the_kda_backend_conforms():
 @pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
 def test_bf16_parity_through_fla(checkpoint, state_dtype):
     """Within bf16 tolerance of transformers, judged against transformers in fp32: Weir in bf16
-    must follow the fp32 reference about as well as transformers' own bf16 run does (greedy
-    tokens identical for about as long; prefill logits about as close)."""
+    (graphs and eager) parts from fp32's greedy tokens only at near-ties, and (eager) its logits
+    where the context is still fp32's are about as close to fp32's as transformers' bf16 ones."""
     pytest.importorskip("fla")
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (1, 5, 17, 33, 64, 100, 130, 250)]
     truth = transformers_greedy(checkpoint, prompts, NUM_TOKENS, device="cuda", dtype="float32")
     hf_bf16 = transformers_greedy(checkpoint, prompts, NUM_TOKENS, device="cuda", dtype="bfloat16")
-    hf_errors = [relative_error(logits[0], reference[0]) for (_, logits), (_, reference) in zip(hf_bf16, truth)]
-    hf_matched = sum(identical_prefix(tokens, reference) for (tokens, _), (reference, _) in zip(hf_bf16, truth))
-    print(f"transformers bf16: {hf_matched} tokens identical to fp32; prefill logits error",
-          [f"{e:.1e}" for e in hf_errors])
+    margin = near_tie_margin(hf_bf16, truth, SLACK[state_dtype])
+    hf_matched = [identical_prefix(tokens, reference) for (tokens, _), (reference, _) in zip(hf_bf16, truth)]
+    hf_shared = [shared_positions(tokens, reference) for (tokens, _), (reference, _) in zip(hf_bf16, truth)]
+    print(f"transformers bf16: tokens identical to fp32 per prompt {hf_matched}; near-tie margin {margin:.3g}")
     for eager in (True, False):
+        mode = f"{state_dtype} states, {'eager' if eager else 'graphs'}"
         llm = LLM(str(checkpoint), dtype="bfloat16", enforce_eager=eager, max_num_batched_tokens=128,
                   gpu_memory_utilization=0.3, max_model_len=512, linear_state_dtype=state_dtype)
         runner = llm.engine.runner
@@ -76,40 +113,65 @@ def test_bf16_parity_through_fla(checkpoint, state_dtype):
         assert states and all(s.recurrent_state.dtype == getattr(torch, state_dtype) for s in states)
         watch = watch_engine(llm) if eager else None  # graph replays skip compute_logits
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
-        matched = sum(identical_prefix(o.outputs[0].token_ids, reference) for o, (reference, _) in zip(outputs, truth))
-        print(f"weir bf16 ({state_dtype} states, {'eager' if eager else 'graphs'}): {matched} tokens identical to fp32")
-        # 16-bit states round once per step on top of bf16 activations: allow a little more drift.
-        assert matched >= (0.8 if state_dtype == "float32" else 0.6) * hf_matched
+        tokens = [o.outputs[0].token_ids for o in outputs]
+        matched, failures = greedy_parity(tokens, truth, margin)
+        print(f"weir bf16 ({mode}): tokens identical to fp32 per prompt {matched}")
+        assert not failures, (f"weir bf16 ({mode}) parts from fp32 where fp32 is no near-tie (margin "
+                              f"{margin:.3g}): {failures}; identical tokens per prompt {matched}, "
+                              f"transformers bf16's {hf_matched}")
         if eager:
-            weir_errors = [relative_error(watch.logits[o.request_id][0], reference[0])
-                           for o, (_, reference) in zip(outputs, truth)]
-            print("weir bf16 prefill logits error", [f"{e:.1e}" for e in weir_errors])
-            assert max(weir_errors) <= max(3 * max(hf_errors), 2e-2)
+            # Positions both runs saw with fp32's context: prefill, and decodes up to the first difference.
+            counts = [min(count, shared_positions(t, reference)) for count, t, (reference, _)
+                      in zip(hf_shared, tokens, truth)]
+            weir_errors = [max(relative_error(watch.logits[o.request_id][j], reference_logits[j]) for j in range(count))
+                           for o, (_, reference_logits), count in zip(outputs, truth, counts)]
+            hf_errors = [max(relative_error(logits[j], reference_logits[j]) for j in range(count))
+                         for (_, logits), (_, reference_logits), count in zip(hf_bf16, truth, counts)]
+            bound = max(SLACK[state_dtype] * max(hf_errors), 2e-2)
+            report = (f"logits error against fp32 over the first {counts} positions per prompt: weir "
+                      f"{[f'{e:.1e}' for e in weir_errors]}, transformers bf16 {[f'{e:.1e}' for e in hf_errors]}")
+            print(report)
+            assert max(weir_errors) <= bound, f"weir bf16 ({mode}): {report}; bound {bound:.1e}"
         assert_nothing_held(llm)
         del llm
         torch.cuda.empty_cache()
 
 
 def test_chunked_prefill_and_prefix_hits_through_fla(checkpoint):
-    """Small chunks (state carried between chunk kernels and across mixed steps) and a prefix hit
-    resuming the KDA layers from a checkpoint give the same greedy tokens as one whole prefill."""
+    """Small chunks (state carried between chunk kernels, across mixed steps and chunk
+    boundaries off fla's 64) and a prefix hit resuming the KDA layers from a checkpoint follow
+    fp32's greedy tokens as a whole prefill does: parting from them only at near-ties. With the
+    default (fp32) states, CUDA graphs on."""
     pytest.importorskip("fla")
     rng = random.Random(1)
     base = [rng.randrange(256) for _ in range(200)]
     prompts = [base, base[:96] + [rng.randrange(256) for _ in range(40)], base]
-    results = {}
+    truth = transformers_greedy(checkpoint, prompts, NUM_TOKENS, device="cuda", dtype="float32")
+    hf_bf16 = transformers_greedy(checkpoint, prompts, NUM_TOKENS, device="cuda", dtype="bfloat16")
+    margin = near_tie_margin(hf_bf16, truth, SLACK["float32"])
+    results, cached = {}, {}
     for name, options in {"whole": dict(enable_prefix_caching=False),
                           "chunked": dict(max_num_batched_tokens=48, block_size=16)}.items():
         llm = LLM(str(checkpoint), dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=512, **options)
+        runner = llm.engine.runner
+        states = [s for s in runner.caches.layer_states if s is not None]
+        assert runner.graphs is not None and states and all(s.recurrent_state.dtype == torch.float32 for s in states)
         outputs = [llm.generate([{"prompt_token_ids": p}], PARAMS, use_tqdm=False)[0] for p in prompts]
         results[name] = [o.outputs[0].token_ids for o in outputs]
-        if name == "chunked":
-            assert [o.num_cached_tokens for o in outputs][2] > 0
+        cached[name] = [o.num_cached_tokens for o in outputs]
         assert_nothing_held(llm)
         del llm
         torch.cuda.empty_cache()
-    matched = sum(identical_prefix(a, b) for a, b in zip(results["chunked"], results["whole"]))
-    assert matched >= 0.8 * NUM_TOKENS * len(prompts)
+    assert cached["chunked"][2] > 0, f"the third prompt (the first again) found no prefix: cached tokens {cached}"
+    parity = {name: greedy_parity(tokens, truth, margin) for name, tokens in results.items()}
+    matched = {name: counts for name, (counts, _) in parity.items()}
+    report = (f"tokens identical to fp32 per prompt: {matched}, "
+              f"transformers bf16 {[identical_prefix(t, r) for (t, _), (r, _) in zip(hf_bf16, truth)]}, chunked vs "
+              f"whole {[identical_prefix(a, b) for a, b in zip(results['chunked'], results['whole'])]}; "
+              f"cached tokens {cached}; near-tie margin {margin:.3g}")
+    print(report)
+    failures = {name: messages for name, (_, messages) in parity.items() if messages}
+    assert not failures, f"{failures}; {report}"
 
 
 def test_no_implicit_sync_in_decode(checkpoint):
