@@ -211,3 +211,30 @@ def test_scatter_flat(kernels, dtype, num_writes):
     assert torch.equal(got, want)
     assert not torch.equal(want, target)
 
+
+
+def test_positions_past_max_model_len_read_nothing(kernels):
+    """A draft head's pass after a request's last slot (warm-up's decode at max_model_len, then
+    its lookahead): tokens past the table read id 0 and get slot -1, in the torch versions as in
+    the kernels (the torch ones indexed out of bounds: an IndexError, a device assert on CUDA
+    with WEIR_DISABLE_TRITON=1)."""
+    module, device = kernels
+    max_model_len, block_size = 16, 4
+    token_ids = torch.arange(2 * max_model_len, dtype=torch.int32, device=device).view(2, max_model_len) + 1
+    num_computed = torch.tensor([14, 3], dtype=torch.int32, device=device)  # row 0: positions 14..17
+    idx_mapping = torch.tensor([0, 1], device=device)
+    query_start_loc = torch.tensor([0, 4, 5], dtype=torch.int32, device=device)
+    batch = (token_ids, num_computed, idx_mapping, query_start_loc, 5)
+    want_ids = torch.tensor([15, 16, 0, 0, 20], device=device)
+    want_positions = torch.tensor([14, 15, 16, 17, 3], device=device)
+    for input_ids, positions, _ in (inputs.prepare_step_inputs_torch(*batch),
+                                    module.prepare_step_inputs_triton(*batch)):
+        assert torch.equal(input_ids, want_ids) and torch.equal(positions, want_positions)
+    block_tables = torch.tensor([[[5, 6, 7, 8], [9, 10, 11, 12]]], dtype=torch.int32, device=device)  # [G, R, blocks]
+    want_slots = torch.tensor([[34, 35, -1, -1, 39]], device=device)
+    for tables, slots in (
+            inputs.gather_block_tables_and_slot_mapping_torch(block_tables, idx_mapping, query_start_loc,
+                                                              want_positions, block_size),
+            module.gather_block_tables_and_slot_mapping_triton(block_tables, idx_mapping, query_start_loc,
+                                                               want_positions, block_size)):
+        assert torch.equal(slots, want_slots) and torch.equal(tables, block_tables)

@@ -85,7 +85,11 @@ def prepare_step_inputs_torch(token_ids, num_computed_tokens, idx_mapping, query
     token_valid = owned & has_row[req_of_token]  # [T]
     offset_in_req = token_idx - qsl[req_of_token]
     positions = torch.where(token_valid, num_computed_tokens[row_of_token].long() + offset_in_req, 0)  # [T]
-    input_ids = torch.where(token_valid, token_ids[row_of_token, positions].long(), 0)  # [T]
+    # Positions past max_model_len (a proposer's pass after a request's last slot) read nothing,
+    # as in the Triton kernel.
+    last = token_ids.shape[1] - 1
+    readable = token_valid & (positions <= last)  # [T]
+    input_ids = torch.where(readable, token_ids[row_of_token, positions.clamp_max(last)].long(), 0)  # [T]
     query_lens = qsl[1:] - qsl[:-1]  # [B]
     seq_lens = torch.where(has_row, num_computed_tokens[row_of_req].long() + query_lens, 0).int()  # [B]
     return input_ids, positions, seq_lens
@@ -125,6 +129,9 @@ def compute_slot_mapping_torch(block_tables, query_start_loc, positions, block_s
     req_of_token, _, token_valid = _token_owners(query_start_loc, num_reqs, positions.shape[0])
     if has_row is not None:
         token_valid = token_valid & has_row[req_of_token]
+    # Positions past a request's block table (a proposer's lookahead at max_model_len) get -1, as
+    # in the Triton kernel.
+    token_valid = token_valid & (positions // block_size < block_tables.shape[1])  # [T]
     positions = torch.where(token_valid, positions.long(), 0)  # [T]
     block_ids = block_tables[req_of_token, positions // block_size].long()  # [T]
     return torch.where(token_valid, block_ids * block_size + positions % block_size, -1)  # [T] int64
