@@ -107,6 +107,25 @@ def test_greedy_equals_no_speculation(checkpoint, scenario, async_scheduling, me
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
+def test_draft_kv_is_written_in_steps_where_nothing_samples(tiny_llama_path, async_scheduling):
+    """A lone prompt longer than the token budget: its first chunks' steps sample nothing, and the
+    draft (the target's own checkpoint) must still compute its KV there, or every draft after
+    the prompt attends to unwritten entries and is rejected."""
+    prompt = [random.Random(5).randrange(0, 256) for _ in range(70)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    options = dict(max_num_batched_tokens=16, async_scheduling=async_scheduling)
+    _, want = generate(tiny_llama_path, [prompt], params, **options)
+    speculative = {"method": "draft_model", "model": str(tiny_llama_path), "num_speculative_tokens": 3,
+                   "adaptive": False}
+    llm, got = generate(tiny_llama_path, [prompt], params, speculative, **options)
+    assert_same_completions(got, want)
+    counters = llm.engine.scheduler.spec.counters
+    assert counters.num_draft_tokens > 0
+    assert counters.num_accepted_tokens == counters.num_draft_tokens
+    assert_nothing_held(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llama_path, async_scheduling):
     prompts = repetitive_prompts(3)
     params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=100 + i, max_tokens=NUM_TOKENS,
