@@ -126,6 +126,23 @@ def test_draft_kv_is_written_in_steps_where_nothing_samples(tiny_llama_path, asy
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_draft_model_runs_up_to_max_model_len(tiny_llama_path, async_scheduling):
+    """The draft passes after the last steps write positions past max_model_len (past the block
+    table's columns): those slots are dropped, the request ends for length as without drafts."""
+    prompt = ([11, 12, 13, 14, 15] * 10)[:40]
+    params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    options = dict(max_model_len=64, block_size=16, async_scheduling=async_scheduling)
+    _, want = generate(tiny_llama_path, [prompt], params, **options)
+    speculative = {"method": "draft_model", "model": str(tiny_llama_path), "num_speculative_tokens": 3,
+                   "adaptive": False}
+    llm, got = generate(tiny_llama_path, [prompt], params, speculative, **options)
+    assert_same_completions(got, want)
+    assert len(got[0].outputs[0].token_ids) == 64 - len(prompt)
+    assert got[0].outputs[0].finish_reason == "length"
+    assert_nothing_held(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llama_path, async_scheduling):
     prompts = repetitive_prompts(3)
     params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=100 + i, max_tokens=NUM_TOKENS,
