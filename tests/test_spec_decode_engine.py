@@ -288,6 +288,52 @@ def test_partially_accepted_drafts_keep_greedy_and_logprobs_exact(tiny_llama_pat
     assert_nothing_held(llm)
 
 
+@pytest.fixture(scope="module")
+def tiny_granite_swa(tmp_path_factory):
+    from helpers_models import make_tiny_granite_swa
+
+    return make_tiny_granite_swa(tmp_path_factory.mktemp("granite_swa"), with_tokenizer=True)
+
+
+def test_windows_keep_the_blocks_of_drafts_still_being_verified(tiny_granite_swa):
+    """Async scheduling plans a step while the last one's drafts are verified on the device, and
+    counts them as accepted: a sliding window must not free the blocks before the window of that
+    count, which the device's query (at the accepted count) still reads. Every draft is wrong
+    here, and the blocks are few, so a freed block goes to another request at once."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(3, 30))] for _ in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    options = dict(block_size=4, async_scheduling=True, enable_prefix_caching=False, max_model_len=128,
+                   kv_cache_memory_bytes=200_000)
+    _, want = generate(tiny_granite_swa, prompts, params, **options)
+    continuations = {tuple(p): w.outputs[0].token_ids for p, w in zip(prompts, want)}
+    llm = LLM(str(tiny_granite_swa), device="cpu", dtype="float32", speculative_config=dict(NGRAM, adaptive=False),
+              **options)
+    llm.engine.runner.spec.proposer = OracleProposer(continuations, 3, corrupt_every=1)
+    kv_cache, table = llm.engine.scheduler.kv_cache, llm.engine.runner.table
+    windows = [group.sliding_window for group in kv_cache.groups]
+    assert any(windows)
+    freed_too_early = []
+    free_out_of_window = kv_cache._free_out_of_window
+
+    def checked(held, next_position):
+        # The device has run every step before the one being planned (the CPU runs them whole).
+        for req_id, blocks in kv_cache._requests.items():
+            if blocks is held and req_id in table.row_of:
+                device_position = int(table.num_computed_tokens.gpu[table.row_of[req_id]])
+                for window in filter(None, windows):
+                    if max(0, next_position - window + 1) // 4 > max(0, device_position - window + 1) // 4:
+                        freed_too_early.append((req_id, next_position, device_position))
+        free_out_of_window(held, next_position)
+
+    kv_cache._free_out_of_window = checked
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert not freed_too_early, freed_too_early[:5]
+    assert_same_completions(got, want)
+    assert llm.engine.scheduler.spec.counters.num_draft_tokens > 0
+    assert_nothing_held(llm)
+
+
 def test_a_different_draft_model_keeps_greedy_exact(tiny_llama_path, tmp_path):
     draft = make_tiny_llama(tmp_path / "draft", seed=3, num_hidden_layers=1)
     prompts = repetitive_prompts(11)
