@@ -264,13 +264,21 @@ def tiny_qwen3_next(tmp_path_factory):
     return make_tiny_qwen3_next(tmp_path_factory.mktemp("qwen3_next"), with_tokenizer=True)
 
 
+@pytest.fixture(scope="module")
+def tiny_kimi_linear(tmp_path_factory):
+    from helpers_models import make_tiny_kimi_linear
+
+    return make_tiny_kimi_linear(tmp_path_factory.mktemp("kimi_linear"), with_tokenizer=True)
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
-@pytest.mark.parametrize("model", ["llama", "qwen3_next"])
-def test_partially_accepted_drafts_keep_greedy_and_logprobs_exact(tiny_llama_path, tiny_qwen3_next, model,
-                                                                   async_scheduling):
-    """Runs of every accepted length; for Qwen3-Next also that its DeltaNet state keeps nothing
-    of rejected drafts (a wrong state would change every later token)."""
-    path = tiny_llama_path if model == "llama" else tiny_qwen3_next
+@pytest.mark.parametrize("model", ["llama", "qwen3_next", "kimi_linear"])
+def test_partially_accepted_drafts_keep_greedy_and_logprobs_exact(request, model, async_scheduling):
+    """Runs of every accepted length; for Qwen3-Next (Gated DeltaNet) and Kimi Linear (KDA) also
+    that the linear-attention state keeps nothing of rejected drafts (a wrong state would change
+    every later token)."""
+    path = request.getfixturevalue({"llama": "tiny_llama_path", "qwen3_next": "tiny_qwen3_next",
+                                    "kimi_linear": "tiny_kimi_linear"}[model])
     prompts = repetitive_prompts(7)[:6]
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=2)
     options = dict(max_num_batched_tokens=24, block_size=4, async_scheduling=async_scheduling)
