@@ -50,6 +50,9 @@ class Request:
     # step (its last step sampled, and proposing followed); how many drafts its steps verify;
     # its acceptance counts (None without speculation).
     drafts_ready: bool = False
+    # Drafts scheduled whose verification has not reached the host (async scheduling): counted
+    # in num_computed_tokens as if accepted, though the device may reject every one.
+    num_unverified_drafts: int = 0
     adaptive: Any = None  # weir.spec_decode.adaptive.AdaptiveDrafts
     spec_stats: Any = None  # weir.spec_decode.stats.RequestSpecStats
 
@@ -64,6 +67,12 @@ class Request:
     @property
     def num_tokens_with_placeholders(self) -> int:
         return self.num_tokens + self.num_output_placeholders
+
+    @property
+    def num_surely_computed_tokens(self) -> int:
+        """``num_computed_tokens`` less the drafts still being verified: where the request's next
+        query may start on the device, so what its sliding windows must still cover."""
+        return max(0, self.num_computed_tokens - self.num_unverified_drafts)
 
     @property
     def all_token_ids(self) -> list[int]:

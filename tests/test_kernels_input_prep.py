@@ -144,6 +144,21 @@ def test_block_tables_and_slot_mapping(kernels, shape, block_size):
             assert int(want[1][group, token]) == slot
 
 
+def test_slot_mapping_past_the_block_table(kernels):
+    """Positions past a row's last block column (a draft pass beyond max_model_len) get slot -1,
+    in both versions, and never an index error."""
+    module, device = kernels
+    block_size, max_blocks = 4, 3
+    block_table = torch.arange(1, 1 + 2 * max_blocks, dtype=torch.int32, device=device).view(2, max_blocks)
+    query_start_loc = torch.tensor([0, 3, 5], dtype=torch.int32, device=device)
+    positions = torch.tensor([10, 11, 12, 13, 20], dtype=torch.int64, device=device)
+    want = torch.tensor([3 * 4 + 2, 3 * 4 + 3, -1, -1, -1], dtype=torch.int64)
+    got = inputs.compute_slot_mapping_torch(block_table, query_start_loc, positions, block_size)
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(module.compute_slot_mapping_triton(block_table, query_start_loc, positions, block_size).cpu(),
+                       want)
+
+
 def random_table_state(seed, num_rows, max_model_len, vocab_size, device):
     gen = torch.Generator().manual_seed(seed)
     token_ids = torch.randint(0, vocab_size, (num_rows, max_model_len), generator=gen, dtype=torch.int32)

@@ -107,6 +107,42 @@ def test_greedy_equals_no_speculation(checkpoint, scenario, async_scheduling, me
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
+def test_draft_kv_is_written_in_steps_where_nothing_samples(tiny_llama_path, async_scheduling):
+    """A lone prompt longer than the token budget: its first chunks' steps sample nothing, and the
+    draft (the target's own checkpoint) must still compute its KV there, or every draft after
+    the prompt attends to unwritten entries and is rejected."""
+    prompt = [random.Random(5).randrange(0, 256) for _ in range(70)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    options = dict(max_num_batched_tokens=16, async_scheduling=async_scheduling)
+    _, want = generate(tiny_llama_path, [prompt], params, **options)
+    speculative = {"method": "draft_model", "model": str(tiny_llama_path), "num_speculative_tokens": 3,
+                   "adaptive": False}
+    llm, got = generate(tiny_llama_path, [prompt], params, speculative, **options)
+    assert_same_completions(got, want)
+    counters = llm.engine.scheduler.spec.counters
+    assert counters.num_draft_tokens > 0
+    assert counters.num_accepted_tokens == counters.num_draft_tokens
+    assert_nothing_held(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_draft_model_runs_up_to_max_model_len(tiny_llama_path, async_scheduling):
+    """The draft passes after the last steps write positions past max_model_len (past the block
+    table's columns): those slots are dropped, the request ends for length as without drafts."""
+    prompt = ([11, 12, 13, 14, 15] * 10)[:40]
+    params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    options = dict(max_model_len=64, block_size=16, async_scheduling=async_scheduling)
+    _, want = generate(tiny_llama_path, [prompt], params, **options)
+    speculative = {"method": "draft_model", "model": str(tiny_llama_path), "num_speculative_tokens": 3,
+                   "adaptive": False}
+    llm, got = generate(tiny_llama_path, [prompt], params, speculative, **options)
+    assert_same_completions(got, want)
+    assert len(got[0].outputs[0].token_ids) == 64 - len(prompt)
+    assert got[0].outputs[0].finish_reason == "length"
+    assert_nothing_held(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
 def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llama_path, async_scheduling):
     prompts = repetitive_prompts(3)
     params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=100 + i, max_tokens=NUM_TOKENS,
@@ -228,13 +264,21 @@ def tiny_qwen3_next(tmp_path_factory):
     return make_tiny_qwen3_next(tmp_path_factory.mktemp("qwen3_next"), with_tokenizer=True)
 
 
+@pytest.fixture(scope="module")
+def tiny_kimi_linear(tmp_path_factory):
+    from helpers_models import make_tiny_kimi_linear
+
+    return make_tiny_kimi_linear(tmp_path_factory.mktemp("kimi_linear"), with_tokenizer=True)
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
-@pytest.mark.parametrize("model", ["llama", "qwen3_next"])
-def test_partially_accepted_drafts_keep_greedy_and_logprobs_exact(tiny_llama_path, tiny_qwen3_next, model,
-                                                                   async_scheduling):
-    """Runs of every accepted length; for Qwen3-Next also that its DeltaNet state keeps nothing
-    of rejected drafts (a wrong state would change every later token)."""
-    path = tiny_llama_path if model == "llama" else tiny_qwen3_next
+@pytest.mark.parametrize("model", ["llama", "qwen3_next", "kimi_linear"])
+def test_partially_accepted_drafts_keep_greedy_and_logprobs_exact(request, model, async_scheduling):
+    """Runs of every accepted length; for Qwen3-Next (Gated DeltaNet) and Kimi Linear (KDA) also
+    that the linear-attention state keeps nothing of rejected drafts (a wrong state would change
+    every later token)."""
+    path = request.getfixturevalue({"llama": "tiny_llama_path", "qwen3_next": "tiny_qwen3_next",
+                                    "kimi_linear": "tiny_kimi_linear"}[model])
     prompts = repetitive_prompts(7)[:6]
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=2)
     options = dict(max_num_batched_tokens=24, block_size=4, async_scheduling=async_scheduling)
@@ -249,6 +293,52 @@ def test_partially_accepted_drafts_keep_greedy_and_logprobs_exact(tiny_llama_pat
         for j, count in enumerate(output.outputs[0].spec_decode_metrics.acceptance_histogram):
             histogram[j] += count
     assert all(count > 0 for count in histogram), histogram  # rejected at every draft, or none
+    assert_nothing_held(llm)
+
+
+@pytest.fixture(scope="module")
+def tiny_granite_swa(tmp_path_factory):
+    from helpers_models import make_tiny_granite_swa
+
+    return make_tiny_granite_swa(tmp_path_factory.mktemp("granite_swa"), with_tokenizer=True)
+
+
+def test_windows_keep_the_blocks_of_drafts_still_being_verified(tiny_granite_swa):
+    """Async scheduling plans a step while the last one's drafts are verified on the device, and
+    counts them as accepted: a sliding window must not free the blocks before the window of that
+    count, which the device's query (at the accepted count) still reads. Every draft is wrong
+    here, and the blocks are few, so a freed block goes to another request at once."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(3, 30))] for _ in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    options = dict(block_size=4, async_scheduling=True, enable_prefix_caching=False, max_model_len=128,
+                   kv_cache_memory_bytes=200_000)
+    _, want = generate(tiny_granite_swa, prompts, params, **options)
+    continuations = {tuple(p): w.outputs[0].token_ids for p, w in zip(prompts, want)}
+    llm = LLM(str(tiny_granite_swa), device="cpu", dtype="float32", speculative_config=dict(NGRAM, adaptive=False),
+              **options)
+    llm.engine.runner.spec.proposer = OracleProposer(continuations, 3, corrupt_every=1)
+    kv_cache, table = llm.engine.scheduler.kv_cache, llm.engine.runner.table
+    windows = [group.sliding_window for group in kv_cache.groups]
+    assert any(windows)
+    freed_too_early = []
+    free_out_of_window = kv_cache._free_out_of_window
+
+    def checked(held, next_position):
+        # The device has run every step before the one being planned (the CPU runs them whole).
+        for req_id, blocks in kv_cache._requests.items():
+            if blocks is held and req_id in table.row_of:
+                device_position = int(table.num_computed_tokens.gpu[table.row_of[req_id]])
+                for window in filter(None, windows):
+                    if max(0, next_position - window + 1) // 4 > max(0, device_position - window + 1) // 4:
+                        freed_too_early.append((req_id, next_position, device_position))
+        free_out_of_window(held, next_position)
+
+    kv_cache._free_out_of_window = checked
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert not freed_too_early, freed_too_early[:5]
+    assert_same_completions(got, want)
+    assert llm.engine.scheduler.spec.counters.num_draft_tokens > 0
     assert_nothing_held(llm)
 
 

@@ -240,7 +240,8 @@ class KVCacheManager:
         if has_hits:
             num_computed += len(computed_blocks[0]) * self.block_size
         num_tokens_after_step = num_computed + num_new_tokens
-        self._free_out_of_window(held, num_computed)
+        # Drafts still being verified may all be rejected: the device's query may start that much earlier.
+        self._free_out_of_window(held, max(0, num_computed - request.num_unverified_drafts))
         num_blocks_needed = self.blocks_for(num_tokens_after_step)
         if not has_hits and not needs_state_slot and all(len(ids) >= num_blocks_needed for ids in held.block_ids):
             # Decode's common case: every last block has room; at most a newly full block to cache.
@@ -275,13 +276,13 @@ class KVCacheManager:
         return tuple(appended)
 
     def free_out_of_window(self, request: Request) -> None:
-        """Free the windowed groups' blocks that no query from ``request.num_computed_tokens`` on
-        reads. ``allocate_slots`` does it for every request it serves; the scheduler calls this for
+        """Free the windowed groups' blocks that no query from ``request.num_surely_computed_tokens``
+        on reads. ``allocate_slots`` does it for every request it serves; the scheduler calls this for
         running requests it serves nothing this step (waiting for their last token under async
         scheduling), whose last chunk would otherwise hold its blocks a step longer."""
         held = self._requests.get(request.request_id)
         if held is not None:
-            self._free_out_of_window(held, request.num_computed_tokens)
+            self._free_out_of_window(held, request.num_surely_computed_tokens)
 
     def _free_out_of_window(self, held: _RequestBlocks, next_position: int) -> None:
         """Free, in each windowed group, the blocks before the window of the query at

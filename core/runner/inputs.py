@@ -129,9 +129,9 @@ def compute_slot_mapping_torch(block_tables, query_start_loc, positions, block_s
     req_of_token, _, token_valid = _token_owners(query_start_loc, num_reqs, positions.shape[0])
     if has_row is not None:
         token_valid = token_valid & has_row[req_of_token]
-    # Positions past a request's block table (a proposer's lookahead at max_model_len) get -1, as
-    # in the Triton kernel.
-    token_valid = token_valid & (positions // block_size < block_tables.shape[1])  # [T]
+    # A position past the table's last block (a draft pass beyond max_model_len) gets -1, as in
+    # the Triton kernel: it has no block to write.
+    token_valid = token_valid & (positions.long() // block_size < block_tables.shape[1])  # [T]
     positions = torch.where(token_valid, positions.long(), 0)  # [T]
     block_ids = block_tables[req_of_token, positions // block_size].long()  # [T]
     return torch.where(token_valid, block_ids * block_size + positions % block_size, -1)  # [T] int64

@@ -179,6 +179,7 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             if num_new > owed:
                 num_drafts[request.request_id] = num_new - owed
+                request.num_unverified_drafts += num_new - owed
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append(new_blocks)
             budget -= num_new
@@ -253,6 +254,7 @@ class Scheduler:
                 continue  # finished or aborted while this step ran: the token is dropped
             num_drafts = output.num_draft_tokens.get(request_id, 0)
             request.num_output_placeholders -= 1 + num_drafts
+            request.num_unverified_drafts -= num_drafts
             token_ids = sampled.tokens_of(batch_idx)
             if self.spec is not None:  # a step without drafts counts too: the adaptive rule decays
                 num_verified = sampled.num_verified_drafts[batch_idx] if sampled.num_verified_drafts else 0

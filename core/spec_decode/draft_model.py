@@ -71,6 +71,8 @@ class DraftModelProposer:
         ctx = self.caches.context(batch_rows, query_start_loc, positions, seq_lens, int(lengths.max()),
                                   plan.max_seq_len + 1)
         hidden = self.model(input_ids, positions.clamp_max(max_model_len - 1), ctx)  # [T + B, hidden]
+        if sampled.size == 0:
+            return  # prefill chunks only: their KV is all this step owes the draft
         # Logits at each sampled request's last known token (the one sampled this step).
         sampled_dev = host_to_device(sampled, device, pin)
         known = table.num_tokens.gpu[rows].long()  # [M], after this step's tokens

@@ -88,6 +88,8 @@ class HiddenStateProposer:
         ctx = self.caches.context(batch_rows, query_start_loc, positions, runner.inputs.seq_lens[:num_reqs],
                                   plan.max_query_len, plan.max_seq_len)
         logits_hidden, hidden = head(input_ids, positions, head.target_hidden(runner.last_hidden), ctx, 0)
+        if sampled.size == 0:
+            return  # prefill chunks only: their KV is all this step owes the head
         # Each sampled request's last accepted position: the one next to the token it sampled.
         sampled_dev = host_to_device(sampled, device, pin)
         known = table.num_tokens.gpu[rows].long()  # [M], after this step's tokens

@@ -1,4 +1,4 @@
-"""Linear-attention layers (Gated DeltaNet) under verification: no state for rejected drafts.
+"""Linear-attention layers (Gated DeltaNet, Kimi Delta Attention) under verification: no state for rejected drafts.
 
 A verifying request feeds ``1 + k`` tokens through a layer whose state is one slot per request;
 run as one chunk, the slot would end holding the state after every draft, rejected ones too.
@@ -75,12 +75,18 @@ class SpeculativeStateBackend:
         split = metadata.split
         if split is None:
             return self.inner.forward(layer, mixed_qkv, g, beta, conv_weight, state, metadata.inner)
-        out = mixed_qkv.new_zeros(mixed_qkv.shape[0], layer.num_v_heads, layer.head_v_dim)
+        # Shaped after the first call's output: each layer kind has its own (Gated DeltaNet's
+        # value heads, Kimi Delta Attention's heads), and the backend says which.
+        out = None
 
         def run(call: _Call) -> None:
+            nonlocal out
             index = call.token_index
-            out[index] = self.inner.forward(layer, mixed_qkv[index], g[index], beta[index], conv_weight, state,
-                                            call.metadata)
+            result = self.inner.forward(layer, mixed_qkv[index], g[index], beta[index], conv_weight, state,
+                                        call.metadata)
+            if out is None:
+                out = result.new_zeros(mixed_qkv.shape[0], *result.shape[1:])
+            out[index] = result
 
         if split.plain is not None:
             run(split.plain)

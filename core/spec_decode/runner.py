@@ -102,7 +102,9 @@ class SpecDecodeStep:
         max_known = int((table.num_computed_host[plan.rows] + plan.query_lens).max()) + 1
         table.num_computed_host[plan.rows] += plan.query_lens  # corrected when the result is read
         sampled = [index for index, req_id in enumerate(plan.req_ids) if req_id in out.sampling_req_ids]
-        if sampled:
+        # A draft network runs even when nothing sampled (only prefill chunks): its first pass
+        # writes its KV of the chunks, which every later draft of those requests attends to.
+        if sampled or getattr(self.proposer, "caches", None) is not None:
             rows = host_to_device(plan.rows[sampled], runner.device, runner.pin_memory)
             self.proposer.propose(table, rows, max_known, plan=plan, layout=layout, result=result,
                                   sampled=np.asarray(sampled, dtype=np.int64))
