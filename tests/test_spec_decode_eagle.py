@@ -113,3 +113,18 @@ def test_broken_eagle_checkpoints_are_refused(tiny_llama_path, eagle, eagle3, tm
     with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
         LLM(str(tiny_llama_path), device="cpu", speculative_config={
             "method": "eagle3", "model": str(bad_layers), "num_speculative_tokens": 2})
+
+
+def test_an_eagle3_map_outside_the_target_vocabulary_is_refused(tiny_llama_path, eagle3, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "bad_d2t"
+    shutil.copytree(eagle3, broken)
+    tensors = load_file(broken / "model.safetensors")
+    tensors["d2t"][5] = 10**6  # draft id 5 -> far past the tiny vocabulary
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"d2t\[5\].*outside the target's vocabulary"):
+        LLM(str(tiny_llama_path), device="cpu", speculative_config={
+            "method": "eagle3", "model": str(broken), "num_speculative_tokens": 2})

@@ -53,6 +53,8 @@ def test_config_defaults_and_aliases():
     ({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "prompt_lookup_max"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
      "draft_tensor_parallel_size"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": True},
+     "draft_tensor_parallel_size"),
     ({"method": "ngram", "num_speculative_tokens": 2, "adaptive": "yes"}, "adaptive"),
     ({"method": "ngram", "num_speculative_tokens": 2, "verification_cost": -1}, "verification_cost"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
@@ -170,6 +172,10 @@ def test_ngram_proposes_what_followed_the_longest_suffix():
     # min_n above every match length: nothing.
     _, counts = propose_ngram(token_ids, num_tokens, torch.arange(4), 12, 3, 3, 3)
     assert counts.tolist()[0] == 0
+    # A prompt_lookup_max far past every sequence costs what the sequences allow, not its value.
+    big, big_counts = propose_ngram(token_ids, num_tokens, torch.arange(4), 12, 1, 10**12, 3)
+    want, want_counts = propose_ngram(token_ids, num_tokens, torch.arange(4), 12, 1, 11, 3)
+    assert torch.equal(big, want) and torch.equal(big_counts, want_counts)
 
 
 def test_written_drafts_stay_inside_max_model_len():

@@ -102,7 +102,8 @@ class SpeculativeConfig:
             for name in ("prompt_lookup_max", "prompt_lookup_min"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"speculative_config.{name} is an ngram option; method is {self.method!r}")
-        if self.draft_tensor_parallel_size not in (None, 1):
+        size = self.draft_tensor_parallel_size
+        if size is not None and (isinstance(size, bool) or size != 1):
             raise ValueError(f"speculative_config.draft_tensor_parallel_size={self.draft_tensor_parallel_size!r}: "
                              f"only 1 (tensor parallelism is not implemented)")
         if self.model is not None and not isinstance(self.model, str):

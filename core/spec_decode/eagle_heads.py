@@ -155,12 +155,25 @@ class Eagle3LlamaHead(_HeadBase):
         self.norm = RMSNorm(hidden, hf_config.rms_norm_eps)
         self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hidden) if flags["embed"] else None
         self.lm_head = LMHead(hidden, draft_vocab)
+        self.vocab_size = hf_config.vocab_size
         # Offsets to the target's ids; a parameter so the loader fills it (integers stay integers).
         self.d2t = nn.Parameter(torch.zeros(draft_vocab, dtype=torch.int64), requires_grad=False) \
             if flags["d2t"] else None
         self.aux_layer_ids = tuple(flags["aux_layers"] or ())  # empty: vLLM's default, once the target is known
         self._target: tuple = ()
         self._aux: dict[int, torch.Tensor] = {}
+
+    def process_weights_after_loading(self) -> None:
+        if self.d2t is None:
+            return
+        # A broken map would send drafts outside the target's vocabulary: a device assert in the
+        # embedding steps later. Checked once, at load.
+        targets = torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t  # [draft_vocab]
+        bad = ((targets < 0) | (targets >= self.vocab_size)).nonzero()
+        if bad.numel():
+            index = int(bad[0, 0])
+            raise ValueError(f"eagle3 checkpoint: d2t[{index}] = {int(self.d2t[index])} maps draft id {index} to "
+                             f"{int(targets[index])}, outside the target's vocabulary [0, {self.vocab_size})")
 
     def watch_target(self, target: nn.Module) -> None:
         layers = getattr(getattr(target, "model", None), "layers", None)

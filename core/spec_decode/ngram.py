@@ -36,9 +36,7 @@ def propose_ngram(
     num_rows = rows.shape[0]
     starts = torch.arange(max_len, device=device)  # [L]
     best_end = torch.full((num_rows,), -1, dtype=torch.long, device=device)  # index after the match
-    for n in range(max_n, min_n - 1, -1):
-        if n >= max_len:
-            continue
+    for n in range(min(max_n, max_len - 1), min_n - 1, -1):  # an n-gram needs a token after it
         suffix_at = (lengths.unsqueeze(1) - n + torch.arange(n, device=device)).clamp_min(0)  # [M, n]
         suffix = history.gather(1, suffix_at)  # [M, n]
         windows = history.unfold(1, n, 1)  # [M, L - n + 1, n]
