@@ -76,10 +76,14 @@ def size_kv_cache(runner) -> KVSizing:
     budget, graph_reserve = _budget_bytes(runner)
     bytes_per_block = [runner.caches.bytes_per_block(group) + runner.extra_kv_bytes_per_block(g)
                        for g, group in enumerate(groups)]
-    caps = [useful_blocks(group.sliding_window, runner.block_size, runner.max_running_reqs, runner.max_blocks_per_req,
-                          scheduler.max_num_batched_tokens) for group in groups]
-    needed_blocks = [blocks_one_request_needs(group.sliding_window, runner.block_size, scheduler.max_model_len,
-                                              scheduler.max_num_batched_tokens) for group in groups]
+    # Under speculation a windowed group keeps the blocks of drafts still being verified too (the
+    # device's next query may start that many tokens earlier): the window reaches back that far.
+    lookback = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+    windows = [None if group.sliding_window is None else group.sliding_window + lookback for group in groups]
+    caps = [useful_blocks(window, runner.block_size, runner.max_running_reqs, runner.max_blocks_per_req,
+                          scheduler.max_num_batched_tokens) for window in windows]
+    needed_blocks = [blocks_one_request_needs(window, runner.block_size, scheduler.max_model_len,
+                                              scheduler.max_num_batched_tokens) for window in windows]
     checkpoint_bytes = runner.linear_state.bytes_per_slot if (
         cache.enable_prefix_caching and runner.linear_state is not None) else 0
     num_checkpoints = 0
