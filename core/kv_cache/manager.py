@@ -73,6 +73,10 @@ class KVCacheManager:
         self.block_size = block_size
         self.groups = list(groups)
         self.pools = [BlockPool(group.num_blocks, enable_prefix_caching) for group in groups]
+        # Groups that free blocks behind a window (none for full-attention-only models, whose
+        # decode step then skips the window walk).
+        self._windowed = [(g, group, pool) for g, (group, pool) in enumerate(zip(self.groups, self.pools))
+                          if group.sliding_window is not None]
         self.enable_prefix_caching = enable_prefix_caching
         self.state_slots = StateSlotPool(num_state_slots) if num_state_slots > 0 else None
         self.checkpoints: StateCheckpoints | None = None
@@ -241,9 +245,10 @@ class KVCacheManager:
             num_computed += len(computed_blocks[0]) * self.block_size
         num_tokens_after_step = num_computed + num_new_tokens
         # Drafts still being verified may all be rejected: the device's query may start that much earlier.
-        self._free_out_of_window(held, max(0, num_computed - request.num_unverified_drafts))
-        num_blocks_needed = self.blocks_for(num_tokens_after_step)
-        if not has_hits and not needs_state_slot and all(len(ids) >= num_blocks_needed for ids in held.block_ids):
+        if self._windowed:
+            self._free_out_of_window(held, max(0, num_computed - request.num_unverified_drafts))
+        num_blocks_needed = -(-num_tokens_after_step // self.block_size)
+        if not has_hits and not needs_state_slot and min(map(len, held.block_ids)) >= num_blocks_needed:
             # Decode's common case: every last block has room; at most a newly full block to cache.
             self._cache_full_blocks(request, held, num_tokens_after_step)
             if self.checkpoints is not None and num_tokens_after_step % self.block_size == 0:  # a prefill chunk's end
@@ -281,15 +286,13 @@ class KVCacheManager:
         running requests it serves nothing this step (waiting for their last token under async
         scheduling), whose last chunk would otherwise hold its blocks a step longer."""
         held = self._requests.get(request.request_id)
-        if held is not None:
+        if held is not None and self._windowed:
             self._free_out_of_window(held, request.num_surely_computed_tokens)
 
     def _free_out_of_window(self, held: _RequestBlocks, next_position: int) -> None:
         """Free, in each windowed group, the blocks before the window of the query at
         ``next_position`` (this step's first): no later query of the request reads them."""
-        for g, (group, pool) in enumerate(zip(self.groups, self.pools)):
-            if group.sliding_window is None:
-                continue
+        for g, group, pool in self._windowed:
             first_needed = self._first_needed_block(group, next_position)
             ids = held.block_ids[g]
             for index in range(held.first_live[g], min(first_needed, len(ids))):
@@ -304,7 +307,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(num_tokens_after_step, request.num_tokens) // self.block_size
-        if all(num_full <= num_cached for num_cached in held.num_cached_blocks):
+        if num_full <= min(held.num_cached_blocks):
             return
         hashes = request.update_block_hashes(self.block_size)
         for g, (pool, ids) in enumerate(zip(self.pools, held.block_ids)):
