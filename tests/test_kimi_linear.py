@@ -270,6 +270,10 @@ def _refused(tmp_path, name, match, edit):
 @pytest.mark.parametrize("name, match, edit", [
     ("safe_gate", r"gate_lower_bound=-5.0 asks for a KDA gate variant of newer Kimi models.*no reference",
      lambda c: c["linear_attn_config"].update(gate_lower_bound=-5.0)),
+    ("zero_bound", r"gate_lower_bound=0 asks for a KDA gate variant",
+     lambda c: c["linear_attn_config"].update(gate_lower_bound=0)),
+    ("top_level_bound", r"gate_lower_bound=-5.0 asks for a KDA gate variant",
+     lambda c: c["linear_attn_config"].update(gate_lower_bound=False) or c.update(gate_lower_bound=-5.0)),
     ("safe_gate_flag", r"safe_gate=True asks for a KDA gate variant",
      lambda c: c["linear_attn_config"].update(safe_gate=True)),
     ("gate_in_kernel", r"use_gate_in_kernel=True asks for a KDA gate variant",

@@ -118,11 +118,12 @@ def check_supported(hf_config: Any) -> None:
     transformers (which ignores them) or from the model they were trained with."""
     linear_attn_config = getattr(hf_config, "linear_attn_config", None) or {}
     for key in GATE_VARIANT_KEYS:
-        value = linear_attn_config.get(key, getattr(hf_config, key, None))
-        if value not in (None, False):
-            raise ValueError(f"{key}={value!r} asks for a KDA gate variant of newer Kimi models (a lower-bounded "
-                             f"'safe' gate, gates computed in the kernel, full-rank gates); transformers' Kimi Linear "
-                             f"has no reference for it, so Weir does not serve it")
+        # Either place may ask for it; a bound of 0 is a bound (``0 == False`` must not hide it).
+        for value in (linear_attn_config.get(key), getattr(hf_config, key, None)):
+            if value is not None and value is not False:
+                raise ValueError(f"{key}={value!r} asks for a KDA gate variant of newer Kimi models (a lower-bounded "
+                                 f"'safe' gate, gates computed in the kernel, full-rank gates); transformers' Kimi "
+                                 f"Linear has no reference for it, so Weir does not serve it")
     unknown = sorted(set(linear_attn_config) - LINEAR_ATTN_CONFIG_KEYS - set(GATE_VARIANT_KEYS))
     if unknown:
         raise ValueError(f"linear_attn_config has keys {unknown} that Weir's Kimi Linear does not know; it reads "
