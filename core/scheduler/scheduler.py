@@ -149,7 +149,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
+        spec, kv_cache = self.spec, self.kv_cache
+        scheduled: list[tuple[Request, int]] = []  # (request, tokens this step), in batch order
         num_drafts: dict[str, int] = {}
         cached = CachedRequestData()
         new_reqs: list[NewRequestData] = []
@@ -159,24 +160,24 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             owed = self._owed(request)
-            drafts = self.spec.num_drafts(request, owed, len(self.running)) if self.spec is not None else 0
+            drafts = spec.num_drafts(request, owed, len(self.running)) if spec is not None else 0
             num_new = min(owed + drafts, budget)
             if num_new <= 0:
-                self.kv_cache.free_out_of_window(request)
+                kv_cache.free_out_of_window(request)
                 index += 1
                 continue
-            num_new = self.kv_cache.end_chunk_at_checkpoint(request, request.num_computed_tokens, num_new)
-            lookahead = self.spec.lookahead(request, request.num_computed_tokens, num_new) if self.spec else 0
-            new_blocks = self.kv_cache.allocate_slots(request, num_new + lookahead)
+            num_new = kv_cache.end_chunk_at_checkpoint(request, request.num_computed_tokens, num_new)
+            lookahead = spec.lookahead(request, request.num_computed_tokens, num_new) if spec is not None else 0
+            new_blocks = kv_cache.allocate_slots(request, num_new + lookahead)
             while new_blocks is None:
                 victim = self.running[-1]  # later in the list, so not scheduled yet this step
                 self._preempt(victim, preempted)
                 if victim is request:
                     break
-                new_blocks = self.kv_cache.allocate_slots(request, num_new + lookahead)
+                new_blocks = kv_cache.allocate_slots(request, num_new + lookahead)
             if new_blocks is None:
                 break
-            num_scheduled[request.request_id] = num_new
+            scheduled.append((request, num_new))
             if num_new > owed:
                 num_drafts[request.request_id] = num_new - owed
                 request.num_unverified_drafts += num_new - owed
@@ -190,26 +191,26 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_output_placeholders > 0:
                 break  # its last token is still on the way; resume it once it has arrived
-            hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
-            num_new = self.kv_cache.end_chunk_at_checkpoint(
+            hit_blocks, num_hit_tokens = kv_cache.get_computed_blocks(request)
+            num_new = kv_cache.end_chunk_at_checkpoint(
                 request, num_hit_tokens, min(request.num_tokens - num_hit_tokens, budget))
-            lookahead = self.spec.lookahead(request, num_hit_tokens, num_new) if self.spec else 0
-            if self.kv_cache.allocate_slots(request, num_new + lookahead, hit_blocks) is None:
+            lookahead = spec.lookahead(request, num_hit_tokens, num_new) if spec is not None else 0
+            if kv_cache.allocate_slots(request, num_new + lookahead, hit_blocks) is None:
                 break
-            self.kv_cache.count_admission(request, num_hit_tokens)
+            kv_cache.count_admission(request, num_hit_tokens)
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens is None:  # a preempted request's re-admission does not count
                 request.num_cached_tokens = num_hit_tokens
-            num_scheduled[request.request_id] = num_new
+            scheduled.append((request, num_new))
             new_reqs.append(self._new_request_data(request))
             budget -= num_new
 
         sampling, min_tokens = set(), set()
-        for request_id, num_new in num_scheduled.items():
-            request = self.requests[request_id]
+        for request, num_new in scheduled:
+            request_id = request.request_id
             request.num_computed_tokens += num_new
             # A verifying request computes past its known tokens: its drafts.
             if request.num_computed_tokens >= request.num_tokens_with_placeholders:
@@ -219,15 +220,16 @@ class Scheduler:
                 request.num_output_placeholders += 1 + num_drafts.get(request_id, 0)
                 sampling.add(request_id)
             # Proposing follows every sampling step; a partial prefill chunk leaves no drafts.
-            request.drafts_ready = self.spec is not None and request_id in sampling
+            request.drafts_ready = spec is not None and request_id in sampling
 
+        num_scheduled = {request.request_id: num_new for request, num_new in scheduled}
         finished, self._finished_req_ids = self._finished_req_ids, set()
         return SchedulerOutput(
             new_reqs=new_reqs, cached_reqs=cached, num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()), sampling_req_ids=sampling,
             min_tokens_req_ids=min_tokens, finished_req_ids=finished - preempted,
             preempted_req_ids=preempted, state_copies=self.kv_cache.take_state_copies(),
-            scheduled_requests={request_id: self.requests[request_id] for request_id in num_scheduled},
+            scheduled_requests={request.request_id: request for request, _ in scheduled},
             num_draft_tokens=num_drafts,
         )
 
