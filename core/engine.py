@@ -275,6 +275,15 @@ class LLMEngine:
         self.scheduler.kv_cache.reset_prefix_cache()
         return failed
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (block hashes and state checkpoints), as vLLM's
+        ``reset_prefix_cache``: only while no request runs (blocks in use would stay cached), so
+        False, with nothing done, otherwise."""
+        if self.has_unfinished_requests():
+            return False
+        self.scheduler.kv_cache.reset_prefix_cache()
+        return True
+
     def has_unfinished_requests(self) -> bool:
         """True while any request, step in flight, or runner row still needs a step."""
         return bool(self._parents) or bool(self._in_flight) or self.scheduler.has_rows_to_release()

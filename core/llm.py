@@ -72,6 +72,10 @@ class LLM:
         """``LLMEngine.default_sampling_params`` under vLLM's name (a fresh copy, free to change)."""
         return self.engine.default_sampling_params()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing done) while requests run. As vLLM's."""
+        return self.engine.reset_prefix_cache()
+
     @property
     def llm_engine(self) -> LLMEngine:
         """``engine`` under vLLM's name."""

@@ -46,6 +46,8 @@ def test_outputs_say_how_much_of_the_prompt_the_prefix_cache_served(tiny_llm):
     assert first.num_cached_tokens == 0
     assert 0 < again.num_cached_tokens < 40  # whole blocks, and never the last token
     assert again.num_cached_tokens % 4 == 0
+    assert tiny_llm.reset_prefix_cache()  # idle: done
+    assert tiny_llm.generate(prompt, GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
 
 
 def test_llm_sets_the_step_loop_gc_thresholds_and_an_engine_alone_does_not(tiny_llama_path):
