@@ -1,5 +1,6 @@
-"""``weir plugins``: every registered model, backend and platform, who provides it, and
-whether it is usable on this machine."""
+"""``weir plugins``: every registered model, backend and platform and who provides it, read from
+the plugins' specs alone (no target is imported, so no torch); ``--check`` also says whether each
+is usable on this machine, which imports them."""
 
 from __future__ import annotations
 
@@ -43,14 +44,19 @@ def _active_platform(registry: PluginRegistry) -> tuple[Any, str]:
         return None, str(error)
 
 
-def describe_plugins(registry: PluginRegistry) -> list[dict[str, Any]]:
-    """One row per registered spec; ``available`` says whether it is usable here."""
-    active_platform, no_platform_reason = _active_platform(registry)
+def describe_plugins(registry: PluginRegistry, check: bool = True) -> list[dict[str, Any]]:
+    """One row per registered spec. With ``check``, ``available`` says whether it is usable here
+    (each target is imported for it); without, ``available`` is None and nothing is imported."""
+    active_platform, no_platform_reason = _active_platform(registry) if check else (None, "")
     rows = []
     for attribute, kind in _KINDS:
         table: dict[str, Registered] = getattr(registry, attribute)
         for name in sorted(table):
             row = _row(kind, name, table[name])
+            if not check:
+                row["available"] = None
+                rows.append(row)
+                continue
             try:
                 target_cls = registry.resolve(attribute, name)
             except PluginError as error:  # listed anyway: the table must show what is broken
@@ -77,12 +83,19 @@ def describe_plugins(registry: PluginRegistry) -> list[dict[str, Any]]:
 
 
 _COLUMNS = ("kind", "name", "provider", "target", "available")
+_UNCHECKED_COLUMNS = _COLUMNS[:-1]
 # Never broken across lines: a name or target cut in two cannot be found or copied.
 _UNBROKEN = ("name", "target")
 
 
+def _columns(rows: list[dict[str, Any]]) -> tuple[str, ...]:
+    return _COLUMNS if any(row["available"] is not None for row in rows) else _UNCHECKED_COLUMNS
+
+
 def _cells(row: dict[str, Any]) -> dict[str, str]:
-    if row["available"]:
+    if row["available"] is None:
+        available = ""
+    elif row["available"]:
         available = "yes (active)" if row["active"] else "yes"
     else:
         available = f"no: {row['reason']}" if row["reason"] else "no"
@@ -93,18 +106,19 @@ def _cells(row: dict[str, Any]) -> dict[str, str]:
 
 def plain_rows(rows: list[dict[str, Any]]) -> str:
     """Aligned columns, one entry per line, nothing wrapped: for pipes, files and narrow terminals."""
-    table = [dict(zip(_COLUMNS, _COLUMNS))] + [_cells(row) for row in rows]
-    widths = {column: max(len(cells[column]) for cells in table) for column in _COLUMNS}
-    lines = ["  ".join(cells[column].ljust(widths[column]) for column in _COLUMNS).rstrip() for cells in table]
+    columns = _columns(rows)
+    table = [dict(zip(columns, columns))] + [_cells(row) for row in rows]
+    widths = {column: max(len(cells[column]) for cells in table) for column in columns}
+    lines = ["  ".join(cells[column].ljust(widths[column]) for column in columns).rstrip() for cells in table]
     return "\n".join(lines)
 
 
 def _table_fits(rows: list[dict[str, Any]], width: int) -> bool:
     """Whether a boxed table leaves the other columns room beside unbroken names and targets."""
-    cells = [_cells(row) for row in rows]
+    cells, columns = [_cells(row) for row in rows], _columns(rows)
     unbroken = sum(max(len(column), *(len(c[column]) for c in cells)) for column in _UNBROKEN)
-    others = sum(min(12, max(len(c[column]) for c in cells)) for column in _COLUMNS if column not in _UNBROKEN)
-    return unbroken + others + 3 * len(_COLUMNS) + 1 <= width
+    others = sum(min(12, max(len(c[column]) for c in cells)) for column in columns if column not in _UNBROKEN)
+    return unbroken + others + 3 * len(columns) + 1 <= width
 
 
 def print_listing(rows: list[dict[str, Any]], console=None) -> None:
@@ -118,14 +132,18 @@ def print_listing(rows: list[dict[str, Any]], console=None) -> None:
         console.print(plain_rows(rows), soft_wrap=True, markup=False, highlight=False)
         return
     table = Table(title="Weir plugins")
-    for column in _COLUMNS:
+    columns = _columns(rows)
+    for column in columns:
         table.add_column(column, no_wrap=column in _UNBROKEN, overflow="fold")
     for row in rows:
-        table.add_row(*_cells(row).values())
+        cells = _cells(row)
+        table.add_row(*(cells[column] for column in columns))
     console.print(table)
 
 
 def plugins(
+    check: bool = typer.Option(False, "--check", help="Also say whether each one is usable here (imports them, "
+                               "torch with them: a second or more)."),
     json_output: bool = typer.Option(False, "--json", help="Print the listing as JSON."),
 ) -> None:
     """List model architectures, attention and MoE backends, and platforms from all plugins."""
@@ -134,7 +152,7 @@ def plugins(
     except PluginError as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(code=1) from error
-    rows = describe_plugins(registry)
+    rows = describe_plugins(registry, check=check)
     if json_output:
         typer.echo(json.dumps(rows, indent=2))
     else:

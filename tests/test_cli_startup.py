@@ -1,5 +1,5 @@
-"""The CLI answers help and argument errors without importing torch (about a second saved per
-call), and ``import weir`` imports nothing heavy; run in a fresh interpreter, since this one has
+"""The CLI answers help, argument errors and the plugin listing without importing torch (about a
+second saved per call), and ``import weir`` imports nothing heavy; run in a fresh interpreter, since this one has
 torch loaded already."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from weir.cli.main import app
 runner = CliRunner()
 exit_codes = {}
 for args in (["--help"], ["serve", "--help"], ["generate", "--help"], ["bench", "throughput", "--help"],
-             ["bench", "serve", "--help"], ["serve", "--max-num-seqs", "many"], ["serve", "--no-such-flag"]):
+             ["bench", "serve", "--help"], ["serve", "--max-num-seqs", "many"], ["serve", "--no-such-flag"],
+             ["plugins"], ["plugins", "--json"]):
     exit_codes[" ".join(args)] = runner.invoke(app, args).exit_code
 print(json.dumps({"exit_codes": exit_codes, "heavy": sorted(m for m in HEAVY if m in sys.modules)}))
 """
@@ -31,10 +32,10 @@ def run_fresh(program: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def test_help_and_argument_errors_import_no_torch():
+def test_help_argument_errors_and_the_plugin_listing_import_no_torch():
     report = run_fresh(PROGRAM)
     codes = report["exit_codes"]
-    assert all(codes[args] == 0 for args in codes if args.endswith("--help")), codes
+    assert all(codes[args] == 0 for args in codes if args.endswith("--help") or args.startswith("plugins")), codes
     assert codes["serve --max-num-seqs many"] == 2 and codes["serve --no-such-flag"] == 2, codes
     assert report["heavy"] == []
 

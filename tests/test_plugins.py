@@ -196,9 +196,12 @@ def test_backend_selection_checks_device_type():
 
 
 def test_cli_plugins_json_lists_everything_with_providers():
-    result = CliRunner().invoke(app, ["plugins", "--json"])
+    result = CliRunner().invoke(app, ["plugins", "--check", "--json"])
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)
+    unchecked = json.loads(CliRunner().invoke(app, ["plugins", "--json"]).stdout)
+    assert [(r["kind"], r["name"], r["target"]) for r in unchecked] == [(r["kind"], r["name"], r["target"]) for r in rows]
+    assert all(row["available"] is None for row in unchecked)
     by_key = {(row["kind"], row["name"]): row for row in rows}
     assert {("platform", name) for name in ("cpu", "cuda", "rocm", "xpu")} <= set(by_key)
     cpu = by_key[("platform", "cpu")]
@@ -216,7 +219,7 @@ def test_cli_plugins_names_a_missing_kernel_package(monkeypatch):
     device type it supports."""
     monkeypatch.setitem(sys.modules, "fla", None)
     monkeypatch.setattr("weir.plugins.attention.gdn_fla.FlaGDNBackend.supported_devices", frozenset({"cpu", "cuda"}))
-    result = CliRunner().invoke(app, ["plugins", "--json"])
+    result = CliRunner().invoke(app, ["plugins", "--check", "--json"])
     assert result.exit_code == 0, result.output
     fla = {row["name"]: row for row in json.loads(result.stdout)}["gdn_fla"]
     assert fla["available"] is False and "fla-core cannot be imported" in fla["reason"]
@@ -361,24 +364,25 @@ def _whole_on_some_line(text: str, value: str) -> bool:
     return any(value in line for line in text.splitlines())
 
 
+@pytest.mark.parametrize("check", [False, True], ids=["listing", "check"])
 @pytest.mark.parametrize("columns", ["40", "200"])
-def test_cli_plugins_in_a_pipe_prints_plain_rows_that_break_no_name(columns):
+def test_cli_plugins_in_a_pipe_prints_plain_rows_that_break_no_name(columns, check):
     """Not a terminal (a pipe, a file): one aligned row per entry, whatever COLUMNS says."""
-    result = CliRunner().invoke(app, ["plugins"], env={"COLUMNS": columns})
+    result = CliRunner().invoke(app, ["plugins", *(["--check"] if check else [])], env={"COLUMNS": columns})
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
-    assert lines[0].split() == ["kind", "name", "provider", "target", "available"]
+    assert lines[0].split() == ["kind", "name", "provider", "target"] + (["available"] if check else [])
     assert not any(ch in result.stdout for ch in "┃│━")  # no box drawing
-    rows = describe_rows()
+    rows = describe_rows(check)
     assert len(lines) == 1 + len(rows)
     for line, row in zip(lines[1:], rows):
         assert row["name"] in line.split() and row["target"] in line.split(), line
 
 
-def describe_rows():
+def describe_rows(check: bool = True):
     from weir.cli.plugins_cmd import describe_plugins
 
-    return describe_plugins(load_plugins())
+    return describe_plugins(load_plugins(), check=check)
 
 
 @pytest.mark.parametrize("width, boxed", [(60, False), (250, True)])
