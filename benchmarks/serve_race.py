@@ -185,6 +185,20 @@ def run_bench(server: Server, num_prompts: int, rate: float, output_len: int, ar
                            f"{log_path.read_text()[-2000:]}")
 
 
+def shown_command(command: list[str]) -> str:
+    """The command as a reader reruns it: ``python3`` and paths relative to the working folder, not
+    this machine's interpreter and checkout."""
+    here = Path.cwd()
+
+    def shown(part: str) -> str:
+        if part == sys.executable:
+            return "python3"
+        path = Path(part)
+        return str(path.relative_to(here)) if path.is_absolute() and path.is_relative_to(here) else part
+
+    return shlex.join(shown(part) for part in command)
+
+
 def race_engine(engine: str, model: Path, rates: list[float], args: argparse.Namespace) -> list[str]:
     """Serve ``model`` with ``engine`` and bench it at every rate; returns the failures."""
     stem = f"{engine}-{model.name}"
@@ -197,7 +211,7 @@ def race_engine(engine: str, model: Path, rates: list[float], args: argparse.Nam
         server.wait_ready(args.startup_timeout)
         startup = time.monotonic() - started
         info = {"engine": engine, "version": (get_json(server.base_url + "/version") or {}).get("version"),
-                "command": shlex.join(command), "startup_seconds": round(startup, 1), "device": device_name()}
+                "command": shown_command(command), "startup_seconds": round(startup, 1), "device": device_name()}
         (args.out_dir / f"{stem}-server.json").write_text(json.dumps(info, indent=2) + "\n")
         print(f"{stem}: ready in {startup:.0f} s (version {info['version']})", flush=True)
         if args.warmup_prompts:
@@ -306,9 +320,14 @@ def write_reports(args: argparse.Namespace, rates: list[float], failures: list[s
     versions = {engine: sorted({info.get("version") or "unknown" for (e, _), info in servers.items() if e == engine})
                 for engine in ENGINES}
     devices = sorted({info.get("device", "unknown") for info in servers.values()}) or ["unknown"]
-    command = "python3 benchmarks/serve_race.py OUT " + shlex.join(
-        [arg for model in args.model for arg in ("--model", str(model))]
-        + ["--rates", ",".join(rate_label(r) for r in rates), "--max-model-len", str(args.max_model_len)])
+    # Every workload option that differs from its default, so the command reruns this race.
+    workload_options = [f"--{name.replace('_', '-')}={shlex.quote(str(value))}"
+                        for name, value in vars(args).items() if name in WORKLOAD_DEFAULTS
+                        and value != WORKLOAD_DEFAULTS[name]]
+    command = "python3 benchmarks/serve_race.py OUT " + " ".join(
+        [shlex.join(arg for model in args.model for arg in ("--model", str(model))),
+         "--rates", ",".join(rate_label(r) for r in rates), "--max-model-len", str(args.max_model_len),
+         *workload_options])
     prompt_kind = " (words)" if "--text" in shlex.split(args.bench_args) else " (token ids)"
     lines = [f"# Serving race, {date}", "",
              f"{', '.join(devices)}; Weir {', '.join(versions['weir']) or '-'}, "
@@ -340,6 +359,13 @@ def write_reports(args: argparse.Namespace, rates: list[float], failures: list[s
     print("\n".join(lines))
 
 
+# What the runs' workload depends on beside models, rates and max_model_len, with the defaults
+# parse_args gives them: the report's command names those that were changed.
+WORKLOAD_DEFAULTS = {"input_len": 1024, "output_len": 256, "seed": 0, "num_prompts": None, "min_prompts": 200,
+                     "prompts_per_rate": 20.0, "inf_prompts": 400, "warmup_prompts": 16, "weir_args": "",
+                     "vllm_args": "", "bench_args": "", "tokenizer": None}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
@@ -349,15 +375,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="request rates, requests/s or inf, comma-separated (default 4,16,inf)")
     parser.add_argument("--tokenizer", type=Path, help="tokenizer folder for both servers (default: the model's)")
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--input-len", type=int, default=1024)
-    parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--input-len", type=int, default=WORKLOAD_DEFAULTS["input_len"])
+    parser.add_argument("--output-len", type=int, default=WORKLOAD_DEFAULTS["output_len"])
+    parser.add_argument("--seed", type=int, default=WORKLOAD_DEFAULTS["seed"])
     parser.add_argument("--num-prompts", type=int, help="requests per run at every rate (default: by rate)")
-    parser.add_argument("--min-prompts", type=int, default=200)
-    parser.add_argument("--prompts-per-rate", type=float, default=20.0,
+    parser.add_argument("--min-prompts", type=int, default=WORKLOAD_DEFAULTS["min_prompts"])
+    parser.add_argument("--prompts-per-rate", type=float, default=WORKLOAD_DEFAULTS["prompts_per_rate"],
                         help="at a finite rate: this many seconds of arrivals, if more than --min-prompts")
-    parser.add_argument("--inf-prompts", type=int, default=400, help="requests of the run at rate inf")
-    parser.add_argument("--warmup-prompts", type=int, default=16, help="short requests before the runs (0: none)")
+    parser.add_argument("--inf-prompts", type=int, default=WORKLOAD_DEFAULTS["inf_prompts"],
+                        help="requests of the run at rate inf")
+    parser.add_argument("--warmup-prompts", type=int, default=WORKLOAD_DEFAULTS["warmup_prompts"],
+                        help="short requests before the runs (0: none)")
     parser.add_argument("--engines", default="weir,vllm", help="which servers to run: weir, vllm or both")
     parser.add_argument("--weir-args", default="", help="extra `weir serve` options")
     parser.add_argument("--vllm-args", default="", help="extra `vllm serve` options")

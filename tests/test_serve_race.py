@@ -120,3 +120,7 @@ def test_race_weir_on_the_tiny_model_against_a_fake_peer(race, tiny_llama_path, 
     for log in ("weir-tiny-server.log", "vllm-tiny-server.log", "weir-tiny-warmup.log", "vllm-tiny-rateinf.log"):
         assert (out / log).read_text().startswith("$ ")
     assert "| inf | 3 | Weir |" in (out / "serve-race.md").read_text()
+    # The report's command reruns this race: every changed workload option, no machine's paths.
+    for option in ("--num-prompts=3", "--input-len=6", "--output-len=4", "--warmup-prompts=1", "--bench-args=--text"):
+        assert option in report["command"], report["command"]
+    assert sys.executable not in weir_command and weir_command.startswith("python3 -m weir.cli.main serve")
