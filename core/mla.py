@@ -110,3 +110,41 @@ class MLABackend(AttentionBackend):
         indexer: IndexerInputs | None = None,  # sparse layers only
     ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
         """Store this step's cache rows, then attend (sparsely when ``indexer`` is given)."""
+
+
+def check_forward_inputs(layer: MLALayerSpec, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
+                         k_pe: torch.Tensor, kv_cache: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
+                         indexer: IndexerInputs | None, block_size: int | None = None) -> dict[str, torch.Tensor]:
+    """Raise ``ValueError`` naming the first argument whose shape breaks the contract of
+    ``MLABackend.forward`` (shapes only: nothing is read from the device); ``block_size``, when
+    given, is the cache's too. Returns the inputs by name, for a backend's own checks (strides)."""
+    if layer.kind == SPARSE_MLA and indexer is None:
+        raise ValueError(f"MLA layer {layer.layer_idx} is sparse (index_topk={layer.index_topk}) but forward "
+                         f"got no indexer inputs")
+    if layer.kind == MLA and indexer is not None:
+        raise ValueError(f"MLA layer {layer.layer_idx} is dense (index_topk=0) but forward got indexer inputs")
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != layer.cache_dim or block_size not in (None, kv_cache.shape[1]):
+        raise ValueError(f"MLA layer {layer.layer_idx}: kv_cache must be [num_blocks, "
+                         f"{'block_size' if block_size is None else block_size}, {layer.cache_dim}], "
+                         f"got {list(kv_cache.shape)}")
+    num_tokens, heads = q_nope.shape[0], layer.num_heads
+    expected = {
+        "q_nope": (q_nope, (num_tokens, heads, layer.qk_nope_head_dim)),
+        "q_pe": (q_pe, (num_tokens, heads, layer.qk_rope_head_dim)),
+        "kv_c": (kv_c, (num_tokens, layer.kv_lora_rank)),
+        "k_pe": (k_pe, (num_tokens, layer.qk_rope_head_dim)),
+        "w_uk": (w_uk, (heads, layer.qk_nope_head_dim, layer.kv_lora_rank)),
+        "w_uv": (w_uv, (heads, layer.v_head_dim, layer.kv_lora_rank)),
+    }
+    if indexer is not None:
+        expected.update({
+            "indexer.q": (indexer.q, (num_tokens, layer.index_n_heads, layer.index_head_dim)),
+            "indexer.k": (indexer.k, (num_tokens, layer.index_head_dim)),
+            "indexer.weights": (indexer.weights, (num_tokens, layer.index_n_heads)),
+        })
+    for name, (tensor, shape) in expected.items():
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"MLA layer {layer.layer_idx}: {name} must be {list(shape)}, got {list(tensor.shape)}")
+    if indexer is not None and indexer.weights.dtype != torch.float32:
+        raise ValueError(f"MLA layer {layer.layer_idx}: indexer.weights must be float32, got {indexer.weights.dtype}")
+    return {"kv_cache": kv_cache, **{name: tensor for name, (tensor, _) in expected.items()}}

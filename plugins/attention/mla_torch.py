@@ -20,42 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from weir.attention import AttentionMetadata
-from weir.mla import MLA, SPARSE_MLA, IndexerInputs, MLABackend, MLALayerSpec
-
-
-def check_mla_inputs(layer: MLALayerSpec, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
-                     k_pe: torch.Tensor, kv_cache: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
-                     indexer: IndexerInputs | None) -> None:
-    """Raise ``ValueError`` naming the first argument whose shape breaks the contract of
-    ``weir.mla.MLABackend.forward`` (shapes only: nothing is read from the device)."""
-    if layer.kind == SPARSE_MLA and indexer is None:
-        raise ValueError(f"MLA layer {layer.layer_idx} is sparse (index_topk={layer.index_topk}) but forward "
-                         f"got no indexer inputs")
-    if layer.kind == MLA and indexer is not None:
-        raise ValueError(f"MLA layer {layer.layer_idx} is dense (index_topk=0) but forward got indexer inputs")
-    num_tokens, heads = q_nope.shape[0], layer.num_heads
-    expected = {
-        "q_nope": (q_nope, (num_tokens, heads, layer.qk_nope_head_dim)),
-        "q_pe": (q_pe, (num_tokens, heads, layer.qk_rope_head_dim)),
-        "kv_c": (kv_c, (num_tokens, layer.kv_lora_rank)),
-        "k_pe": (k_pe, (num_tokens, layer.qk_rope_head_dim)),
-        "w_uk": (w_uk, (heads, layer.qk_nope_head_dim, layer.kv_lora_rank)),
-        "w_uv": (w_uv, (heads, layer.v_head_dim, layer.kv_lora_rank)),
-    }
-    if indexer is not None:
-        expected.update({
-            "indexer.q": (indexer.q, (num_tokens, layer.index_n_heads, layer.index_head_dim)),
-            "indexer.k": (indexer.k, (num_tokens, layer.index_head_dim)),
-            "indexer.weights": (indexer.weights, (num_tokens, layer.index_n_heads)),
-        })
-    for name, (tensor, shape) in expected.items():
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"MLA layer {layer.layer_idx}: {name} must be {list(shape)}, got {list(tensor.shape)}")
-    if kv_cache.dim() != 3 or kv_cache.shape[-1] != layer.cache_dim:
-        raise ValueError(f"MLA layer {layer.layer_idx}: kv_cache must be [num_blocks, block_size, "
-                         f"{layer.cache_dim}], got {list(kv_cache.shape)}")
-    if indexer is not None and indexer.weights.dtype != torch.float32:
-        raise ValueError(f"MLA layer {layer.layer_idx}: indexer.weights must be float32, got {indexer.weights.dtype}")
+from weir.mla import MLA, SPARSE_MLA, IndexerInputs, MLABackend, MLALayerSpec, check_forward_inputs
 
 
 def store_mla_rows(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
@@ -163,7 +128,7 @@ class TorchMLABackend(MLABackend):
         w_uv: torch.Tensor,  # [num_heads, v_head_dim, kv_lora_rank]
         indexer: IndexerInputs | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
-        check_mla_inputs(layer, q_nope, q_pe, kv_c, k_pe, kv_cache, w_uk, w_uv, indexer)
+        check_forward_inputs(layer, q_nope, q_pe, kv_c, k_pe, kv_cache, w_uk, w_uv, indexer)
         num_tokens = metadata.num_tokens
         store_mla_rows(kv_cache, metadata.slot_mapping[:num_tokens], kv_c[:num_tokens], k_pe[:num_tokens],
                        None if indexer is None else indexer.k[:num_tokens])

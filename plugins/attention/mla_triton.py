@@ -34,7 +34,7 @@ import torch
 import triton
 
 from weir.attention import AttentionMetadata
-from weir.mla import MLA, SPARSE_MLA, IndexerInputs, MLABackend, MLALayerSpec
+from weir.mla import MLA, SPARSE_MLA, IndexerInputs, MLABackend, MLALayerSpec, check_forward_inputs
 from weir.plugins.attention.mla_triton_indexer import indexer_scores_kernel, topk_kernel
 from weir.plugins.attention.mla_triton_kernels import mla_attention_kernel, mla_reduce_kernel, store_latent_kernel
 from weir.plugins.attention.triton_paged_kernels import LOG2_E
@@ -285,31 +285,10 @@ def check_layer(layer: MLALayerSpec) -> None:
 
 
 def check_inputs(layer, q_nope, q_pe, kv_c, k_pe, kv_cache, w_uk, w_uv, indexer, block_size) -> None:
-    """Shapes, dtypes and unit last strides of everything the kernels read; clear errors."""
+    """The contract's shapes (``weir.mla.check_forward_inputs``), the shapes the kernels take, and
+    unit last strides of everything they read; clear errors."""
     check_layer(layer)
-    if layer.index_topk and indexer is None:
-        raise ValueError(f"layer {layer.layer_idx} is a sparse MLA layer (index_topk={layer.index_topk}) but "
-                         f"forward got indexer=None")
-    if not layer.index_topk and indexer is not None:
-        raise ValueError(f"layer {layer.layer_idx} is a dense MLA layer but forward got indexer inputs")
-    rows = q_nope.shape[0]
-    heads, nope, rope, lora = layer.num_heads, layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.kv_lora_rank
-    expected = {
-        "q_nope": (q_nope, (rows, heads, nope)), "q_pe": (q_pe, (rows, heads, rope)),
-        "kv_c": (kv_c, (rows, lora)), "k_pe": (k_pe, (rows, rope)),
-        "w_uk": (w_uk, (heads, nope, lora)), "w_uv": (w_uv, (heads, layer.v_head_dim, lora)),
-        "kv_cache": (kv_cache, (kv_cache.shape[0], block_size, layer.cache_dim)),
-    }
-    if indexer is not None:
-        expected.update({
-            "indexer.q": (indexer.q, (rows, layer.index_n_heads, layer.index_head_dim)),
-            "indexer.k": (indexer.k, (rows, layer.index_head_dim)),
-            "indexer.weights": (indexer.weights, (rows, layer.index_n_heads)),
-        })
-    for name, (tensor, shape) in expected.items():
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"layer {layer.layer_idx}: {name} must have shape {shape}, got {tuple(tensor.shape)}")
+    named = check_forward_inputs(layer, q_nope, q_pe, kv_c, k_pe, kv_cache, w_uk, w_uv, indexer, block_size)
+    for name, tensor in named.items():
         if tensor.stride(-1) != 1:
-            raise ValueError(f"layer {layer.layer_idx}: {name} must have a unit last stride, got {tensor.stride()}")
-    if indexer is not None and indexer.weights.dtype != torch.float32:
-        raise ValueError(f"layer {layer.layer_idx}: indexer.weights must be float32, got {indexer.weights.dtype}")
+            raise ValueError(f"MLA layer {layer.layer_idx}: {name} must have a unit last stride, got {tensor.stride()}")
