@@ -70,6 +70,14 @@ def _prepare(q, k, v, g, beta, initial_state, normalize_qk):
     return q, k, v.float(), g.float(), beta.float(), state
 
 
+def to_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """``[batch, seq_len, heads, ...]`` -> ``[batch, heads, num_chunks, chunk_size, ...]``, the last
+    chunk zero-padded (zero k, beta and g leave a delta rule's state unchanged)."""
+    x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, -x.shape[1] % chunk_size))
+    x = x.reshape(x.shape[0], -1, chunk_size, *x.shape[2:])
+    return x.movedim(3, 1)
+
+
 def recurrent_gated_delta_rule(
     q: torch.Tensor,  # [batch, seq_len, num_k_heads, head_k_dim]
     k: torch.Tensor,  # [batch, seq_len, num_k_heads, head_k_dim]
@@ -119,18 +127,12 @@ def chunk_gated_delta_rule(
     q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state, normalize_qk)
     batch, seq_len, num_heads, head_k_dim = k.shape
     head_v_dim = v.shape[-1]
-    # Zero-padded tokens (k = 0, beta = 0, g = 0) leave the state unchanged.
-    pad = -seq_len % chunk_size
-    num_chunks = (seq_len + pad) // chunk_size
+    num_chunks = -(-seq_len // chunk_size)  # the last one zero-padded (to_chunks)
 
-    def to_chunks(x):  # [batch, seq_len, heads, ...] -> [batch, heads, num_chunks, chunk_size, ...]
-        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
-        x = x.reshape(batch, num_chunks, chunk_size, *x.shape[2:])
-        return x.movedim(3, 1)
-
-    q, k, v = to_chunks(q), to_chunks(k), to_chunks(v)  # [batch, heads, num_chunks, chunk_size, dim]
-    beta = to_chunks(beta)  # [batch, heads, num_chunks, chunk_size]
-    cum_decay = to_chunks(g).cumsum(dim=-1)  # [batch, heads, num_chunks, chunk_size]
+    # [batch, heads, num_chunks, chunk_size, dim]
+    q, k, v = to_chunks(q, chunk_size), to_chunks(k, chunk_size), to_chunks(v, chunk_size)
+    beta = to_chunks(beta, chunk_size)  # [batch, heads, num_chunks, chunk_size]
+    cum_decay = to_chunks(g, chunk_size).cumsum(dim=-1)  # [batch, heads, num_chunks, chunk_size]
 
     # e^{c_t - c_s} for s <= t; the upper triangle is masked before exp, where it could overflow.
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=v.device).tril()

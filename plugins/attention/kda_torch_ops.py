@@ -9,7 +9,8 @@ transformers and fla. The short conv is Gated DeltaNet's (``gdn_torch_ops.causal
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from weir.plugins.attention.gdn_torch_ops import to_chunks
 
 L2NORM_EPS = 1e-6
 CHUNK_SIZE = 64
@@ -92,18 +93,12 @@ def chunk_kda(
     q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state, normalize_qk)
     batch, seq_len, num_heads, head_k_dim = k.shape
     head_v_dim = v.shape[-1]
-    # Zero-padded tokens (k = 0, beta = 0, g = 0) leave the state unchanged.
-    pad = -seq_len % chunk_size
-    num_chunks = (seq_len + pad) // chunk_size
+    num_chunks = -(-seq_len // chunk_size)  # the last one zero-padded (to_chunks)
 
-    def to_chunks(x):  # [batch, seq_len, heads, ...] -> [batch, heads, num_chunks, chunk_size, ...]
-        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
-        x = x.reshape(batch, num_chunks, chunk_size, *x.shape[2:])
-        return x.movedim(3, 1)
-
-    q, k, v = to_chunks(q), to_chunks(k), to_chunks(v)  # [batch, heads, num_chunks, chunk_size, dim]
-    beta = to_chunks(beta)  # [batch, heads, num_chunks, chunk_size]
-    cum_decay = to_chunks(g).cumsum(dim=3)  # [batch, heads, num_chunks, chunk_size, K]
+    # [batch, heads, num_chunks, chunk_size, dim]
+    q, k, v = to_chunks(q, chunk_size), to_chunks(k, chunk_size), to_chunks(v, chunk_size)
+    beta = to_chunks(beta, chunk_size)  # [batch, heads, num_chunks, chunk_size]
+    cum_decay = to_chunks(g, chunk_size).cumsum(dim=3)  # [batch, heads, num_chunks, chunk_size, K]
 
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=v.device).tril()
     identity = torch.eye(chunk_size, device=v.device)
