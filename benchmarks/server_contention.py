@@ -5,15 +5,18 @@ streaming to clients, against the same engine driven by `LLM.generate` alone.
 
 Run from the repo root, on the CPU: a tiny model (tests/helpers_models.py) keeps the forward
 small, and a sleep before each step stands in for the device's share of it (it frees the GIL as
-waiting on the GPU does). The server runs on a thread of this process, as `weir serve` runs it,
-so its event loop (SSE encoding, uvicorn's h11 writes) shares the GIL with the engine loop; the
-`weir bench serve` client runs in its own process. The difference between the two host times
-is what the server takes from each step.
+waiting on the GPU does). The server runs on a thread of this process, with the engine loop in
+either place `weir serve` can put it: on a thread beside the event loop (`--engine-in-process`:
+the two share one GIL) or in a process of its own (the default). The `weir bench serve` client
+runs in its own process. The difference between a served host time and the one alone is what
+the server takes from each step; the client's mean TPOT shows what a user sees of it.
 """
 
 import argparse
+import functools
 import pathlib
 import random
+import re
 import socket
 import statistics
 import subprocess
@@ -26,14 +29,17 @@ from tests.helpers_models import make_tiny_llama
 from weir import LLM, SamplingParams
 from weir.async_engine import AsyncLLMEngine
 from weir.engine import LLMEngine
+from weir.multiproc import ProcessEngine
 from weir.server.app import build_app
 from weir.server.connections import uvicorn_options
 from weir.server.settings import ServerSettings
 
 
 def timed_steps(llm_engine, device_step: float) -> list[float]:
-    """Wraps ``llm_engine.step``; the returned list fills with each step's host seconds."""
+    """Wraps ``llm_engine.step``; the returned list (also ``llm_engine.host_seconds``) fills with
+    each step's host seconds."""
     host, inner = [], llm_engine.step
+    llm_engine.host_seconds = host
 
     def step():
         start = time.perf_counter()
@@ -51,11 +57,21 @@ def trimmed_mean_ms(seconds: list[float]) -> float:
     return statistics.mean(sorted(seconds)[cut:len(seconds) - cut]) * 1e3
 
 
-def served_host_times(path: pathlib.Path, options: dict, args, device_step: float) -> list[float]:
+def read_host_seconds(llm_engine) -> list[float]:
+    return llm_engine.host_seconds
+
+
+def served_host_times(path: pathlib.Path, options: dict, args, device_step: float,
+                      engine_process: bool) -> tuple[list[float], float]:
+    """(host seconds of each step, the client's mean TPOT in ms)."""
     import uvicorn
 
-    engine = AsyncLLMEngine(LLMEngine.from_options(str(path), served_model_name="tiny", **options))
-    host = timed_steps(engine.engine, device_step)
+    options = {**options, "served_model_name": "tiny"}
+    if engine_process:
+        engine = ProcessEngine(str(path), options, on_start=functools.partial(timed_steps, device_step=device_step))
+    else:
+        engine = AsyncLLMEngine(LLMEngine.from_options(str(path), **options))
+        timed_steps(engine.engine, device_step)
     settings = ServerSettings()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
@@ -73,10 +89,12 @@ def served_host_times(path: pathlib.Path, options: dict, args, device_step: floa
              "--text"], capture_output=True, text=True, timeout=600)
         if "Failed requests                                              0" not in bench.stdout:
             raise SystemExit(f"the bench run failed:\n{bench.stdout[-2000:]}\n{bench.stderr[-2000:]}")
+        host = engine.call(read_host_seconds).result(30)
     finally:
         server.should_exit = True
         thread.join(30)
-    return host
+    tpot = float(re.search(r"Mean TPOT \(ms\):?\s+([0-9.]+)", bench.stdout).group(1))
+    return host, tpot
 
 
 def main() -> None:
@@ -96,10 +114,13 @@ def main() -> None:
     llm.generate([{"prompt_token_ids": [rng.randrange(256) for _ in range(32)]} for _ in range(args.streams)],
                  SamplingParams(max_tokens=args.output_len, ignore_eos=True), use_tqdm=False)
     del llm
-    served = served_host_times(path, options, args, device_step)
-    alone_ms, served_ms = trimmed_mean_ms(alone), trimmed_mean_ms(served)
-    print(f"{args.streams} streams: engine host time per step {alone_ms:.2f} ms alone, {served_ms:.2f} ms served "
-          f"(+{served_ms - alone_ms:.2f} ms, {(served_ms - alone_ms) * 1e3 / args.streams:.0f} us per stream)")
+    alone_ms = trimmed_mean_ms(alone)
+    print(f"{args.streams} streams: engine host time per step {alone_ms:.2f} ms alone")
+    for engine_process, where in ((False, "engine on a thread of the server"), (True, "engine in its own process")):
+        served, tpot = served_host_times(path, options, args, device_step, engine_process)
+        served_ms = trimmed_mean_ms(served)
+        print(f"  served, {where}: {served_ms:.2f} ms (+{served_ms - alone_ms:.2f} ms, "
+              f"{(served_ms - alone_ms) * 1e3 / args.streams:.0f} us per stream); client mean TPOT {tpot:.2f} ms")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from weir.server.settings import (
 )
 
 logger = logging.getLogger("weir.serve")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -41,18 +42,15 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _log_start(engine, sock: socket.socket, host: str) -> str:
-    inner = engine.engine
     port = sock.getsockname()[1]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-    config = inner.config
+    config, summary = engine.config, engine.summary()
     logger.info("model %s (%s, %s) served as %r, max_model_len %d", config.model.model,
                 config.model.architecture, str(config.model.dtype).removeprefix("torch."),
                 config.model.served_model_name, config.scheduler.max_model_len)
     logger.info("platform %s, backends %s, KV cache %d tokens (%s usable blocks of %d), max_num_seqs %d",
-                inner.platform.name, inner.runner.caches.describe_backends(),
-                inner.scheduler.kv_cache.capacity_tokens,
-                " + ".join(str(pool.num_usable_blocks) for pool in inner.scheduler.kv_cache.pools),
-                config.cache.block_size, config.scheduler.max_num_seqs)
+                summary.platform, summary.backends, summary.kv_cache_tokens,
+                " + ".join(map(str, summary.usable_blocks)), config.cache.block_size, config.scheduler.max_num_seqs)
     logger.info("Weir is serving the OpenAI API at %s/v1 (metrics at %s/metrics)", url, url)
     return url
 
@@ -101,17 +99,21 @@ def serve(
     log_stats_interval: float = typer.Option(DEFAULT_LOG_STATS_INTERVAL, envvar="VLLM_LOG_STATS_INTERVAL",
                                              help="seconds between stats lines (one is logged only when "
                                                   "requests ran in the interval)"),
+    engine_in_process: bool = typer.Option(False, "--engine-in-process",
+                                           help="run the engine loop on a thread of the server's process, not "
+                                                "in a process of its own (to debug or profile it there)"),
     engine_options: dict | None = None,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)."""
     import uvicorn
 
     from weir.async_engine import AsyncLLMEngine
+    from weir.multiproc import ProcessEngine
     from weir.process import set_step_loop_gc_thresholds
     from weir.server.app import build_app
     from weir.server.connections import uvicorn_options
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     try:
         settings = ServerSettings(host=host, port=port, api_key=api_key or None,
                                   max_num_queued_reqs=max_num_queued_reqs,
@@ -128,7 +130,10 @@ def serve(
                                   log_stats_interval=log_stats_interval)
         sock = _bind(host, port)
         set_step_loop_gc_thresholds()
-        engine = AsyncLLMEngine.from_options(model, **(engine_options or {}))
+        if engine_in_process:
+            engine = AsyncLLMEngine.from_options(model, **(engine_options or {}))
+        else:
+            engine = ProcessEngine(model, engine_options, log_format=LOG_FORMAT)
     except (ValueError, RuntimeError, FileNotFoundError) as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(1) from None

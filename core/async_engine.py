@@ -4,6 +4,9 @@ Callers on the event loop submit requests and read each one's outputs from its o
 thread owns the ``LLMEngine`` (nothing else touches it), so many concurrent requests share its
 batches without locks around the engine itself. Commands (add, abort, call) reach the thread
 through a queue; each step's outputs go back to each event loop in one ``call_soon_threadsafe``.
+
+``weir.multiproc.ProcessEngine`` has the same interface with the loop in its own process
+(``weir serve`` uses it); this module's stream, counters and errors serve both.
 """
 
 from __future__ import annotations
@@ -32,16 +35,41 @@ class RequestFailedError(RuntimeError):
     """This request failed inside the engine; other requests go on."""
 
 
-_CLOSED = object()  # put in a stream that was closed or aborted: its reader stops
+CLOSED = object()  # put in a stream that was closed or aborted: its reader stops
 
 
 @dataclass
 class EngineCounters:
-    """Running totals the engine thread bumps once per step, for the stats line and /metrics.
-    Plain ints, so any thread may read them without a lock (each read is one whole value)."""
+    """Running totals bumped once per step by the thread that delivers outputs, for the stats
+    line and /metrics. Plain ints, so any thread may read them without a lock (each read is one
+    whole value)."""
 
     prompt_tokens: int = 0  # prompts of requests whose first token came out: their prefill is done
     generation_tokens: int = 0
+
+    def count(self, stream: "RequestStream", output: RequestOutput) -> None:
+        """Count ``output``, the newest of ``stream``'s request, before it is delivered."""
+        num_tokens = sum(len(completion.token_ids) for completion in output.outputs)
+        if num_tokens and not stream.num_tokens_delivered:
+            self.prompt_tokens += len(output.prompt_token_ids)
+        self.generation_tokens += num_tokens - stream.num_tokens_delivered
+        stream.num_tokens_delivered = num_tokens
+
+
+@dataclass(frozen=True)
+class EngineSummary:
+    """What the start-up log says of a running engine, read once it is built."""
+
+    platform: str
+    backends: str  # layer kind=backend, for each kind the model has
+    kv_cache_tokens: int
+    usable_blocks: tuple[int, ...]  # per KV-cache group
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> "EngineSummary":
+        kv_cache = engine.scheduler.kv_cache
+        return cls(engine.platform.name, engine.runner.caches.describe_backends(), kv_cache.capacity_tokens,
+                   tuple(pool.num_usable_blocks for pool in kv_cache.pools))
 
 
 class RequestStream:
@@ -56,15 +84,16 @@ class RequestStream:
         self.engine = engine
         self.request_id = request_id
         self.loop = loop
-        self._unread: object = None  # the newest RequestOutput, an exception that ends it, or _CLOSED
+        self._unread: object = None  # the newest RequestOutput, an exception that ends it, or CLOSED
         self._ready = asyncio.Event()
         self.finished = False
-        self.num_tokens_delivered = 0  # over all completions; touched by the engine thread only
+        self.key: int | None = None  # a ProcessEngine's name for this stream (request ids can repeat)
+        self.num_tokens_delivered = 0  # over all completions; touched by the delivering thread only
 
     def put(self, item: object) -> None:
-        """On the stream's event loop: a new output, an exception or _CLOSED. An ending that is
+        """On the stream's event loop: a new output, an exception or CLOSED. An ending that is
         waiting to be read is kept; anything else replaces what is unread."""
-        if self._unread is _CLOSED or isinstance(self._unread, BaseException):
+        if self._unread is CLOSED or isinstance(self._unread, BaseException):
             return
         self._unread = item
         self._ready.set()
@@ -78,7 +107,7 @@ class RequestStream:
         await self._ready.wait()
         item, self._unread = self._unread, None
         self._ready.clear()
-        if item is _CLOSED:
+        if item is CLOSED:
             self.finished = True
             raise StopAsyncIteration
         if isinstance(item, BaseException):
@@ -92,7 +121,7 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self.engine._abort_stream(self)
-            self.put(_CLOSED)
+            self.put(CLOSED)
 
 
 class AsyncLLMEngine:
@@ -109,6 +138,18 @@ class AsyncLLMEngine:
     @classmethod
     def from_options(cls, model: str | None = None, **options) -> "AsyncLLMEngine":
         return cls(LLMEngine.from_options(model, **options))
+
+    @property
+    def config(self):
+        """The engine's ``EngineConfig``."""
+        return self.engine.config
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def summary(self) -> EngineSummary:
+        return EngineSummary.of(self.engine)
 
     @property
     def is_running(self) -> bool:
@@ -233,7 +274,7 @@ class AsyncLLMEngine:
                     del self._streams[request_id]
                     self.engine.abort_request(request_id)
                     if stream is None:  # aborted by id: wake the reader (close() woke its own)
-                        _deliver_threadsafe(current.loop, [(current, _CLOSED)])
+                        deliver_threadsafe(current.loop, [(current, CLOSED)])
             elif kind == "call":
                 _, fn, done = command
                 try:
@@ -258,16 +299,12 @@ class AsyncLLMEngine:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            num_tokens = sum(len(completion.token_ids) for completion in output.outputs)
-            if num_tokens and not stream.num_tokens_delivered:
-                counters.prompt_tokens += len(output.prompt_token_ids)
-            counters.generation_tokens += num_tokens - stream.num_tokens_delivered
-            stream.num_tokens_delivered = num_tokens
+            counters.count(stream, output)
             if output.finished:
                 del self._streams[output.request_id]
             deliveries[stream.loop].append((stream, output))
         for loop, items in deliveries.items():
-            _deliver_threadsafe(loop, items)
+            deliver_threadsafe(loop, items)
 
     def _fail(self, request_ids, error: BaseException) -> None:
         """Deliver ``error`` to these requests' streams and forget the streams (aborting the
@@ -278,7 +315,7 @@ class AsyncLLMEngine:
             if stream is not None:
                 deliveries[stream.loop].append((stream, error))
         for loop, items in deliveries.items():
-            _deliver_threadsafe(loop, items)
+            deliver_threadsafe(loop, items)
 
     def _fail_pending_calls(self, error: BaseException) -> None:
         """Answer the commands nobody will run any more, so no caller waits forever."""
@@ -291,7 +328,7 @@ class AsyncLLMEngine:
                 command[-1].set_exception(EngineDeadError(f"the engine loop is not running: {error}"))
 
 
-def _deliver_threadsafe(loop: asyncio.AbstractEventLoop, items: list) -> None:
+def deliver_threadsafe(loop: asyncio.AbstractEventLoop, items: list) -> None:
     """Hand a step's outputs to one event loop with one wake-up (not one per request)."""
     def deliver() -> None:
         for stream, item in items:

@@ -75,7 +75,7 @@ def _check_token_ids_only(body: CompletionRequest) -> None:
 async def _tokenized(state: ServerState, prompt: str | list[int], echo: bool) -> tuple[list[int], str | None]:
     if isinstance(prompt, str):
         return await state.encode(prompt), prompt
-    vocab_size = state.engine.engine.model_config.vocab_size
+    vocab_size = state.engine.config.model.vocab_size
     bad = [token_id for token_id in prompt if not 0 <= token_id < vocab_size]
     if bad:
         raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="prompt")

@@ -15,7 +15,7 @@ from weir.server.state import ServerState
 
 def _model_card(state: ServerState) -> dict:
     return {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "weir",
-            "root": state.engine.engine.model_config.model, "parent": None, "max_model_len": state.max_model_len}
+            "root": state.engine.config.model.model, "parent": None, "max_model_len": state.max_model_len}
 
 
 async def list_models(request: Request, state: ServerState) -> Response:

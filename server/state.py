@@ -27,14 +27,14 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.admission = AdmissionControl(self.settings.max_num_queued_reqs, self.settings.max_num_queued_tokens)
-        config = self.engine.engine.config
+        config = self.engine.config
         self.served_model_name = config.model.served_model_name
         self.max_model_len = config.scheduler.max_model_len
         self.chat_template = config.model.chat_template
         self.sampling_defaults = dict(config.model.sampling_defaults)
         # none, summary or detailed: what responses report of speculative decoding's acceptance.
         self.spec_metrics_level = config.per_request_spec_decode_metrics if config.speculative else "none"
-        self.tokenizer = self.engine.engine.tokenizer
+        self.tokenizer = self.engine.tokenizer
         self.token_bytes = TokenBytes(self.tokenizer)
         self.version = __version__
         self.system_fingerprint = f"fp_weir_{__version__}"
@@ -78,7 +78,7 @@ class ServerState:
             raise bad_request(f"the prompt cannot be tokenized: {error}", param="prompt") from error
 
     def decode(self, token_ids: list[int]) -> str:
-        vocab_size = self.engine.engine.model_config.vocab_size
+        vocab_size = self.engine.config.model.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
             raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="tokens")

@@ -1,5 +1,6 @@
-"""AsyncLLMEngine's streams: who an abort reaches, that a closed stream wakes its reader, what an
-unread stream keeps, and that shutdown's grace period covers requests still being added."""
+"""The engine clients' streams (AsyncLLMEngine's thread, ProcessEngine's process): who an abort
+reaches, that a closed stream wakes its reader, what an unread stream keeps, and that shutdown's
+grace period covers requests still being added."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import gc
 import pytest
 
 from weir.async_engine import AsyncLLMEngine
+from weir.multiproc import ProcessEngine
 from weir.outputs import RequestOutput
 from weir.sampling_params import SamplingParams
 
@@ -16,15 +18,15 @@ SHORT = SamplingParams(max_tokens=3, ignore_eos=True)
 LONG = SamplingParams(max_tokens=40, ignore_eos=True)
 
 
-@pytest.fixture
-def engine(tiny_llama_path):
-    async_engine = AsyncLLMEngine.from_options(str(tiny_llama_path), device="cpu", max_model_len=256,
-                                               block_size=4)
+@pytest.fixture(params=["thread", pytest.param("process", marks=pytest.mark.integration)])
+def engine(request, tiny_llama_path):
+    client = AsyncLLMEngine if request.param == "thread" else ProcessEngine
+    async_engine = client.from_options(str(tiny_llama_path), device="cpu", max_model_len=256, block_size=4)
     yield async_engine
     asyncio.run(async_engine.shutdown())
 
 
-async def wait_until_no_streams(engine: AsyncLLMEngine) -> None:
+async def wait_until_no_streams(engine) -> None:
     while engine.num_streams:
         await asyncio.sleep(0.01)
 
