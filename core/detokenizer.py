@@ -119,12 +119,12 @@ class _TextStream:
             try:
                 piece = self._fast.step(self._backend, token_id)
             except Exception:  # its InvalidPrefix: the text handed out changed (see _held_step)
-                piece, broken = None, True
+                broken = True
             else:
+                if piece is not None:
+                    self._read_ids, self._new_ids = self._new_ids, []
+                    return piece
                 broken = False
-            if piece is not None:
-                self._read_ids, self._new_ids = self._new_ids, []
-                return piece
             if len(self._new_ids) <= _MAX_UNFINISHED_BYTES and not broken:
                 return ""  # may be a character whose bytes are still coming
             # More tokens than a character has bytes: some of what they hold is final.
@@ -254,6 +254,8 @@ class IncrementalDetokenizer:
     def _add_text(self, new_text: str) -> str:
         previous_length = len(self._text)
         self._text += new_text
+        if not self._stop_strings:  # nothing can cut it (and this runs per token)
+            return new_text
         self._check_stop_strings(num_new_chars=len(new_text))
         return self._text[previous_length:]
 

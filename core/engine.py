@@ -54,21 +54,27 @@ class _Parent:
 
     @property
     def finished(self) -> bool:
-        return all(child.request.is_finished for child in self.children)
+        for child in self.children:  # a loop, not all() over a generator: read for every request every step
+            if not child.request.is_finished:
+                return False
+        return True
 
     def output(self) -> RequestOutput:
         completions = []
+        all_finished = True
         for child in self.children:
             request = child.request
-            finish_reason = request.status.value if request.is_finished else None
+            finished = request.is_finished
+            all_finished = all_finished and finished
             completions.append(CompletionOutput(
-                index=child.index, text=child.detokenizer.visible_text(request.is_finished),
+                index=child.index, text=child.detokenizer.visible_text(finished),
                 token_ids=list(request.output_token_ids), cumulative_logprob=child.cumulative_logprob,
-                logprobs=child.logprobs, finish_reason=finish_reason, stop_reason=request.stop_reason,
+                logprobs=child.logprobs, finish_reason=request.status.value if finished else None,
+                stop_reason=request.stop_reason,
                 spec_decode_metrics=(None if request.spec_stats is None
-                                     else request.spec_stats.copy(with_steps=request.is_finished)),
+                                     else request.spec_stats.copy(with_steps=finished)),
             ))
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished,
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, all_finished,
                              self.children[0].request.num_cached_tokens)
 
 
@@ -103,6 +109,7 @@ class LLMEngine:
         self._in_flight: deque = deque()
         self._parents: dict[str, _Parent] = {}
         self._child_of: dict[str, tuple[_Parent, _Child]] = {}
+        self._token_texts: dict[int, str] = {}  # Logprob.decoded_token by token id
 
     def _prefix_caching_switch(self) -> bool:
         """Whether prefix caching is on, said in the start-up log with the retention rule where
@@ -304,8 +311,13 @@ class LLMEngine:
                 parent = self._apply_update(update)
                 if parent is not None:
                     changed[parent.request_id] = parent
-        outputs = [parent.output() for parent in changed.values()
-                   if parent.finished or not parent.final_only]
+        outputs, done = [], []
+        for parent in changed.values():
+            finished = parent.finished
+            if finished:
+                done.append(parent)
+            if finished or not parent.final_only:
+                outputs.append(parent.output())
         busy = self.has_unfinished_requests()
         if self._busy and not busy:
             # The engine just went idle: every block and slot must be back.
@@ -313,32 +325,39 @@ class LLMEngine:
         self._busy = busy
         # Finished requests are forgotten only once every output is built: had building one
         # raised, reset_after_failure still finds them all, so their callers hear of it.
-        for parent in changed.values():
-            if parent.finished and self._parents.get(parent.request_id) is parent:
+        for parent in done:
+            if self._parents.get(parent.request_id) is parent:
                 del self._parents[parent.request_id]
                 for child in parent.children:
                     self._child_of.pop(child.request.request_id, None)
         return outputs
 
     def _decoded_token(self, token_id: int) -> str | None:
-        return decode_token(self.tokenizer, token_id) if has_tokenizer(self.tokenizer) else None
+        # Decoded once per engine: alone, a token reads the same every time, and logprobs ask
+        # for 1 + k of them per token.
+        text = self._token_texts.get(token_id)
+        if text is None and has_tokenizer(self.tokenizer):
+            text = self._token_texts[token_id] = decode_token(self.tokenizer, token_id)
+        return text
 
     def _apply_update(self, update: RequestUpdate) -> _Parent | None:
-        entry = self._child_of.get(update.request.request_id)
+        request = update.request
+        entry = self._child_of.get(request.request_id)
         if entry is None:
             return None  # aborted meanwhile
         parent, child = entry
-        request = update.request
-        new_ids, new_logprobs = list(update.new_token_ids), list(update.new_logprobs)
-        stopped_on_token = request.status == RequestStatus.FINISHED_STOPPED and not isinstance(request.stop_reason, str)
+        detokenizer = child.detokenizer
+        new_ids, new_logprobs = update.new_token_ids, update.new_logprobs  # rebound below, never changed
         # As vLLM: the EOS or stop token that ended the completion stays in token_ids, not in the text.
-        hide_last = stopped_on_token and bool(new_ids) and not request.sampling_params.include_stop_str_in_output
+        hide_last = (update.finished and request.status == RequestStatus.FINISHED_STOPPED
+                     and not isinstance(request.stop_reason, str) and bool(new_ids)
+                     and not request.sampling_params.include_stop_str_in_output)
         stop = None
         # Several tokens arrive at once under speculative decoding: a stop string completed by
         # one of them drops the ones after it (the scheduler's stop token among them).
         for count, token_id in enumerate(new_ids[:-1] if hide_last else new_ids, start=1):
-            child.detokenizer.append(token_id)
-            stop = child.detokenizer.stop_string_hit
+            detokenizer.append(token_id)
+            stop = detokenizer.stop_string_hit
             if stop is not None:
                 dropped = len(new_ids) - count
                 if dropped:
@@ -354,8 +373,8 @@ class LLMEngine:
         if request.is_finished:
             # A character the last tokens left unfinished still shows.
             output_ids = request.output_token_ids
-            child.detokenizer.finish(output_ids[:-1] if hide_last else output_ids)
-            late_stop = child.detokenizer.stop_string_hit  # completed by the text finish() released
+            detokenizer.finish(output_ids[:-1] if hide_last else output_ids)
+            late_stop = detokenizer.stop_string_hit  # completed by the text finish() released
             if stop is None and late_stop is not None and request.status == RequestStatus.FINISHED_LENGTH:
                 request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, late_stop
         for ids, values, rank in new_logprobs:

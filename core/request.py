@@ -19,10 +19,9 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
-    @property
-    def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+    def __init__(self, value: str):
+        # A plain attribute, not a property: read for every request every step.
+        self.is_finished = value in ("stop", "length", "abort")
 
 
 @dataclass(eq=False)
@@ -86,16 +85,14 @@ class Request:
     def num_outputs_with_placeholders(self) -> int:
         return len(self.output_token_ids) + self.num_output_placeholders
 
-    def token_at(self, index: int) -> int:
-        num_prompt = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < num_prompt else self.output_token_ids[index - num_prompt]
-
     def update_block_hashes(self, block_size: int) -> list[bytes]:
         """Extend the chained hashes to every full block of known tokens."""
-        num_full_blocks = self.num_tokens // block_size
-        while len(self.block_hashes) < num_full_blocks:
-            index = len(self.block_hashes)
-            parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
-            tokens = [self.token_at(i) for i in range(index * block_size, (index + 1) * block_size)]
-            self.block_hashes.append(hash_block(parent, tokens))
-        return self.block_hashes
+        hashes, prompt, output = self.block_hashes, self.prompt_token_ids, self.output_token_ids
+        num_prompt = len(prompt)
+        num_full_blocks = (num_prompt + len(output)) // block_size
+        while len(hashes) < num_full_blocks:
+            start = len(hashes) * block_size
+            end = start + block_size
+            tokens = prompt[start:end] + output[max(0, start - num_prompt):max(0, end - num_prompt)]
+            hashes.append(hash_block(hashes[-1] if hashes else ROOT_HASH, tokens))
+        return hashes

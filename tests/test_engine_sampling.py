@@ -153,6 +153,9 @@ def test_logprobs_equal_log_softmax_of_the_logits(tiny_llm):
         assert set(entry) <= set(top_ids.tolist()) | {token}
         cumulative += expected[token].item()
     assert abs(completion.cumulative_logprob - cumulative) < 1e-4
+    tokenizer = tiny_llm.engine.tokenizer
+    assert all(logprob.decoded_token == tokenizer.decode([token_id])
+               for entry in completion.logprobs for token_id, logprob in entry.items())
 
 
 def test_n_completions_share_one_prompt(tiny_llm):

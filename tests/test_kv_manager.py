@@ -130,6 +130,24 @@ def test_the_scheduler_preempts_when_a_windowed_group_runs_out():
     manager.check_invariants(idle=True)
 
 
+def test_the_runner_hears_of_a_running_request_only_when_it_gets_blocks():
+    """A decode step inside the last block appends nothing, so the step's output leaves the
+    request out of ``cached_reqs``; the step that opens a block names it with that block."""
+    config = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64, async_scheduling=False)
+    manager = KVCacheManager(BLOCK, [GroupConfig(16)], enable_prefix_caching=True)
+    scheduler = Scheduler(config, manager)
+    request = make_request("a", range(3), max_tokens=4)
+    scheduler.add_request(request)
+    appended, held = [], []
+    for _ in range(3):  # the prompt (positions 0-2, block 0), then positions 3 (block 0) and 4 (block 1)
+        out = scheduler.schedule()
+        appended.append(dict(zip(out.cached_reqs.req_ids, out.cached_reqs.new_block_ids)))
+        held.append(manager.block_ids(request)[0])
+        scheduler.update(out, SampledTokens(list(out.num_scheduled_tokens), [1]))
+    assert appended[:2] == [{}, {}] and held[1] == held[0] and len(held[0]) == 1
+    assert appended[2] == {"a": ([held[2][1]],)} and len(held[2]) == 2
+
+
 def test_the_idle_check_catches_a_block_nobody_gave_back():
     manager = KVCacheManager(BLOCK, [GroupConfig(16), GroupConfig(16, WINDOW)], enable_prefix_caching=True)
     request = make_request("a", range(8))

@@ -32,7 +32,7 @@ class FakeKVCache:
         if sum(self.held.values()) + max(extra, 0) > self.capacity:
             return None
         self.held[request.request_id] = max(needed, self.held.get(request.request_id, 0))
-        return ([],)
+        return ([0] * max(extra, 0),)  # a block per token the request holds more
 
     def free(self, request):
         if self.held.pop(request.request_id, None) is not None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -48,14 +49,16 @@ class GroupConfig:
 @dataclass
 class _RequestBlocks:
     """A request's block ids per group (null where a window freed them) and how many of its
-    leading blocks each group has registered in the prefix cache."""
+    leading blocks every group has registered in the prefix cache."""
 
     block_ids: list[list[int]]
-    num_cached_blocks: list[int]
+    num_cached_blocks: int = 0
     # Per windowed group, the first index that may still hold a live block.
     first_live: list[int] = field(default_factory=list)
     # Token counts whose prefix stays reusable (weir.kv_cache.retention), fixed at admission.
     retained: tuple[int, ...] = ()
+    # Tokens every group's blocks have room for (the decode fast path's test).
+    num_slots: int = 0
 
 
 class KVCacheManager:
@@ -73,6 +76,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.groups = list(groups)
         self.pools = [BlockPool(group.num_blocks, enable_prefix_caching) for group in groups]
+        # What a step that needs no new block appends: shared, so immutable.
+        self._nothing_appended: tuple[tuple[int, ...], ...] = tuple(() for _ in groups)
         # Groups that free blocks behind a window (none for full-attention-only models, whose
         # decode step then skips the window walk).
         self._windowed = [(g, group, pool) for g, (group, pool) in enumerate(zip(self.groups, self.pools))
@@ -226,16 +231,16 @@ class KVCacheManager:
     # ---- allocation -----------------------------------------------------------------------
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: tuple[list[int], ...] | None = None) -> tuple[list[int], ...] | None:
+                       computed_blocks: tuple[list[int], ...] | None = None) -> tuple[Sequence[int], ...] | None:
         """Give the request blocks for ``num_new_tokens`` more tokens (after any prefix-hit
         ``computed_blocks``, as ``get_computed_blocks`` returned them). Returns per group the block
-        ids appended to its table, or None when some group cannot hold them: nothing is
+        ids appended to its table (read-only), or None when some group cannot hold them: nothing is
         allocated then (blocks that fell out of a window may have been freed, which is due anyway).
         """
         held = self._requests.get(request.request_id)
         if held is None:
-            held = _RequestBlocks([[] for _ in self.groups], [0] * len(self.groups), [0] * len(self.groups),
-                                  self._retained(request))
+            held = _RequestBlocks([[] for _ in self.groups], first_live=[0] * len(self.groups),
+                                  retained=self._retained(request))
         needs_state_slot = self.state_slots is not None and request.state_slot is None
         if needs_state_slot and self.state_slots.num_free == 0:
             return None
@@ -247,14 +252,16 @@ class KVCacheManager:
         # Drafts still being verified may all be rejected: the device's query may start that much earlier.
         if self._windowed:
             self._free_out_of_window(held, max(0, num_computed - request.num_unverified_drafts))
-        num_blocks_needed = -(-num_tokens_after_step // self.block_size)
-        if not has_hits and not needs_state_slot and min(map(len, held.block_ids)) >= num_blocks_needed:
+        if not has_hits and not needs_state_slot and num_tokens_after_step <= held.num_slots:
             # Decode's common case: every last block has room; at most a newly full block to cache.
-            self._cache_full_blocks(request, held, num_tokens_after_step)
-            if self.checkpoints is not None and num_tokens_after_step % self.block_size == 0:  # a prefill chunk's end
-                self.checkpoints.plan(request.update_block_hashes(self.block_size), request.state_slot,
+            block_size = self.block_size
+            if self.enable_prefix_caching and num_tokens_after_step >= (held.num_cached_blocks + 1) * block_size:
+                self._cache_full_blocks(request, held, num_tokens_after_step)
+            if self.checkpoints is not None and num_tokens_after_step % block_size == 0:  # a prefill chunk's end
+                self.checkpoints.plan(request.update_block_hashes(block_size), request.state_slot,
                                       held.retained, 0, num_tokens_after_step)
-            return tuple([] for _ in self.groups)
+            return self._nothing_appended
+        num_blocks_needed = -(-num_tokens_after_step // self.block_size)
         hits = computed_blocks if has_hits else tuple([] for _ in self.groups)
         num_new_blocks = []
         for pool, ids, group_hits in zip(self.pools, held.block_ids, hits):
@@ -270,6 +277,7 @@ class KVCacheManager:
             new_blocks = list(group_hits) + pool.allocate(num_new)
             ids.extend(new_blocks)
             appended.append(new_blocks)
+        held.num_slots = min(map(len, held.block_ids)) * self.block_size
         self._requests[request.request_id] = held
         self._admission_boundaries.pop(request.request_id, None)
         if needs_state_slot:
@@ -307,14 +315,14 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(num_tokens_after_step, request.num_tokens) // self.block_size
-        if num_full <= min(held.num_cached_blocks):
+        if num_full <= held.num_cached_blocks:
             return
         hashes = request.update_block_hashes(self.block_size)
-        for g, (pool, ids) in enumerate(zip(self.pools, held.block_ids)):
-            for index in range(held.num_cached_blocks[g], num_full):
+        for pool, ids in zip(self.pools, held.block_ids):
+            for index in range(held.num_cached_blocks, num_full):
                 if ids[index] != NULL_BLOCK_ID:
                     pool.cache_full_block(ids[index], hashes[index])
-            held.num_cached_blocks[g] = max(held.num_cached_blocks[g], num_full)
+        held.num_cached_blocks = num_full
 
     def free(self, request: Request) -> None:
         self._admission_boundaries.pop(request.request_id, None)

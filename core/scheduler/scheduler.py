@@ -53,10 +53,10 @@ class SampledTokens:
             return []
         ids, values, ranks = (self.logprob_token_ids[batch_idx], self.logprobs[batch_idx],
                               self.logprob_ranks[batch_idx])
+        end = num_top + 1
         if self.spec_token_ids is None:
-            ids, values, ranks = [ids], [values], [ranks]
-        return [(ids[j][: num_top + 1], values[j][: num_top + 1], ranks[j])
-                for j in range(len(self.tokens_of(batch_idx)))]
+            return [(ids[:end], values[:end], ranks)]
+        return [(ids[j][:end], values[j][:end], ranks[j]) for j in range(len(self.spec_token_ids[batch_idx]))]
 
 
 @dataclass
@@ -65,6 +65,40 @@ class RequestUpdate:
     new_token_ids: list[int]
     new_logprobs: list[tuple[list[int], list[float], int]]  # per new token: ids, values, rank
     finished: bool
+
+
+class _Step:
+    """What one ``schedule()`` hands out, filled in request by request as each is scheduled."""
+
+    __slots__ = ("num_scheduled", "requests", "num_drafts", "sampling", "min_tokens")
+
+    def __init__(self):
+        self.num_scheduled: dict[str, int] = {}  # batch order
+        self.requests: dict[str, Request] = {}
+        self.num_drafts: dict[str, int] = {}
+        self.sampling: set[str] = set()
+        self.min_tokens: set[str] = set()
+
+    def add(self, request: Request, num_new: int, owed: int, speculating: bool) -> None:
+        """Count ``num_new`` tokens computed for ``request``, which is ``owed`` tokens up to its
+        last known one; past them, a verifying request computes its drafts."""
+        request_id = request.request_id
+        self.num_scheduled[request_id] = num_new
+        self.requests[request_id] = request
+        request.num_computed_tokens += num_new
+        if num_new < owed:
+            request.drafts_ready = False  # a partial prefill chunk samples nothing, so leaves no drafts
+            return
+        num_drafts = num_new - owed
+        if num_drafts:
+            self.num_drafts[request_id] = num_drafts
+            request.num_unverified_drafts += num_drafts
+        if len(request.output_token_ids) + request.num_output_placeholders < request.sampling_params.min_tokens:
+            self.min_tokens.add(request_id)
+        # As if every draft will be accepted; update() takes the rejected ones back.
+        request.num_output_placeholders += 1 + num_drafts
+        self.sampling.add(request_id)
+        request.drafts_ready = speculating  # proposing follows every sampling step
 
 
 class Scheduler:
@@ -130,12 +164,6 @@ class Scheduler:
 
     # ---- scheduling --------------------------------------------------------------------
 
-    def _owed(self, request: Request) -> int:
-        """Tokens the request can compute now (0 while it waits for its final outputs)."""
-        if request.num_outputs_with_placeholders >= request.max_tokens:
-            return 0
-        return request.num_tokens_with_placeholders - request.num_computed_tokens
-
     def _preempt(self, request: Request, preempted: set[str]) -> None:
         self.running.remove(request)
         self.kv_cache.free(request)
@@ -149,88 +177,74 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        spec, kv_cache = self.spec, self.kv_cache
-        scheduled: list[tuple[Request, int]] = []  # (request, tokens this step), in batch order
-        num_drafts: dict[str, int] = {}
+        spec, kv_cache, running = self.spec, self.kv_cache, self.running
+        step = _Step()
         cached = CachedRequestData()
         new_reqs: list[NewRequestData] = []
         preempted: set[str] = set()
 
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            owed = self._owed(request)
-            drafts = spec.num_drafts(request, owed, len(self.running)) if spec is not None else 0
+        while index < len(running) and budget > 0:
+            request = running[index]
+            num_computed = request.num_computed_tokens
+            # Tokens it can compute now: none while it waits for its final outputs. (Read from
+            # the fields, not the properties: this runs for every running request every step.)
+            num_outputs = len(request.output_token_ids) + request.num_output_placeholders
+            owed = (0 if num_outputs >= request.max_tokens
+                    else len(request.prompt_token_ids) + num_outputs - num_computed)
+            drafts = spec.num_drafts(request, owed, len(running)) if spec is not None else 0
             num_new = min(owed + drafts, budget)
             if num_new <= 0:
                 kv_cache.free_out_of_window(request)
                 index += 1
                 continue
-            num_new = kv_cache.end_chunk_at_checkpoint(request, request.num_computed_tokens, num_new)
-            lookahead = spec.lookahead(request, request.num_computed_tokens, num_new) if spec is not None else 0
+            num_new = kv_cache.end_chunk_at_checkpoint(request, num_computed, num_new)
+            lookahead = spec.lookahead(request, num_computed, num_new) if spec is not None else 0
             new_blocks = kv_cache.allocate_slots(request, num_new + lookahead)
             while new_blocks is None:
-                victim = self.running[-1]  # later in the list, so not scheduled yet this step
+                victim = running[-1]  # later in the list, so not scheduled yet this step
                 self._preempt(victim, preempted)
                 if victim is request:
                     break
                 new_blocks = kv_cache.allocate_slots(request, num_new + lookahead)
             if new_blocks is None:
                 break
-            scheduled.append((request, num_new))
-            if num_new > owed:
-                num_drafts[request.request_id] = num_new - owed
-                request.num_unverified_drafts += num_new - owed
-            cached.req_ids.append(request.request_id)
-            cached.new_block_ids.append(new_blocks)
+            step.add(request, num_new, owed, spec is not None)
+            if any(new_blocks):  # a decode step mostly fits its last blocks: nothing to tell the runner
+                cached.req_ids.append(request.request_id)
+                cached.new_block_ids.append(new_blocks)
             budget -= num_new
             index += 1
 
         while (self.waiting and budget > 0 and not preempted
-               and len(self.running) < self.config.max_num_seqs):
+               and len(running) < self.config.max_num_seqs):
             request = self.waiting[0]
             if request.num_output_placeholders > 0:
                 break  # its last token is still on the way; resume it once it has arrived
             hit_blocks, num_hit_tokens = kv_cache.get_computed_blocks(request)
-            num_new = kv_cache.end_chunk_at_checkpoint(
-                request, num_hit_tokens, min(request.num_tokens - num_hit_tokens, budget))
+            owed = request.num_tokens - num_hit_tokens
+            num_new = kv_cache.end_chunk_at_checkpoint(request, num_hit_tokens, min(owed, budget))
             lookahead = spec.lookahead(request, num_hit_tokens, num_new) if spec is not None else 0
             if kv_cache.allocate_slots(request, num_new + lookahead, hit_blocks) is None:
                 break
             kv_cache.count_admission(request, num_hit_tokens)
             self.waiting.popleft()
-            self.running.append(request)
+            running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens is None:  # a preempted request's re-admission does not count
                 request.num_cached_tokens = num_hit_tokens
-            scheduled.append((request, num_new))
             new_reqs.append(self._new_request_data(request))
+            step.add(request, num_new, owed, spec is not None)
             budget -= num_new
 
-        sampling, min_tokens = set(), set()
-        for request, num_new in scheduled:
-            request_id = request.request_id
-            request.num_computed_tokens += num_new
-            # A verifying request computes past its known tokens: its drafts.
-            if request.num_computed_tokens >= request.num_tokens_with_placeholders:
-                if request.num_outputs_with_placeholders < request.sampling_params.min_tokens:
-                    min_tokens.add(request_id)
-                # As if every draft will be accepted; update() takes the rejected ones back.
-                request.num_output_placeholders += 1 + num_drafts.get(request_id, 0)
-                sampling.add(request_id)
-            # Proposing follows every sampling step; a partial prefill chunk leaves no drafts.
-            request.drafts_ready = spec is not None and request_id in sampling
-
-        num_scheduled = {request.request_id: num_new for request, num_new in scheduled}
         finished, self._finished_req_ids = self._finished_req_ids, set()
         return SchedulerOutput(
-            new_reqs=new_reqs, cached_reqs=cached, num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()), sampling_req_ids=sampling,
-            min_tokens_req_ids=min_tokens, finished_req_ids=finished - preempted,
+            new_reqs=new_reqs, cached_reqs=cached, num_scheduled_tokens=step.num_scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget, sampling_req_ids=step.sampling,
+            min_tokens_req_ids=step.min_tokens, finished_req_ids=finished - preempted if preempted else finished,
             preempted_req_ids=preempted, state_copies=self.kv_cache.take_state_copies(),
-            scheduled_requests={request.request_id: request for request, _ in scheduled},
-            num_draft_tokens=num_drafts,
+            scheduled_requests=step.requests, num_draft_tokens=step.num_drafts,
         )
 
     def _new_request_data(self, request: Request) -> NewRequestData:
@@ -248,43 +262,45 @@ class Scheduler:
     def update(self, output: SchedulerOutput, sampled: SampledTokens) -> list[RequestUpdate]:
         """Apply one step's sampled tokens: append them and check the stop conditions."""
         updates = []
+        requests, spec = self.requests, self.spec
+        sampling, scheduled, drafts_of = output.sampling_req_ids, output.scheduled_requests, output.num_draft_tokens
+        max_model_len = self.config.max_model_len
         for batch_idx, request_id in enumerate(sampled.req_ids):
-            if request_id not in output.sampling_req_ids:
+            if request_id not in sampling:
                 continue  # a partial prefill chunk: its sample is not a real token
-            request = self.requests.get(request_id)
-            if request is None or request is not output.scheduled_requests.get(request_id):
+            request = requests.get(request_id)
+            if request is None or request is not scheduled.get(request_id):
                 continue  # finished or aborted while this step ran: the token is dropped
-            num_drafts = output.num_draft_tokens.get(request_id, 0)
+            num_drafts = drafts_of.get(request_id, 0) if drafts_of else 0
             request.num_output_placeholders -= 1 + num_drafts
             request.num_unverified_drafts -= num_drafts
             token_ids = sampled.tokens_of(batch_idx)
-            if self.spec is not None:  # a step without drafts counts too: the adaptive rule decays
+            if spec is not None:  # a step without drafts counts too: the adaptive rule decays
                 num_verified = sampled.num_verified_drafts[batch_idx] if sampled.num_verified_drafts else 0
-                self.spec.apply_result(request, num_drafts, num_verified, len(token_ids) - 1)
-            logprobs = []
-            if request.sampling_params.logprobs is not None:
-                logprobs = sampled.logprobs_of(batch_idx, request.sampling_params.logprobs)
+                spec.apply_result(request, num_drafts, num_verified, len(token_ids) - 1)
+            params = request.sampling_params
             status = stop_reason = None
-            new_token_ids = []
-            for token_id in token_ids:  # tokens past a stop are dropped
-                request.output_token_ids.append(token_id)
-                new_token_ids.append(token_id)
-                status, stop_reason = self._check_stop(request, token_id)
+            output_ids = request.output_token_ids
+            num_prompt = len(request.prompt_token_ids)
+            for count, token_id in enumerate(token_ids, start=1):  # tokens past a stop are dropped
+                output_ids.append(token_id)
+                num_outputs = len(output_ids)
+                if num_outputs >= params.min_tokens:
+                    if token_id in request.eos_token_ids:
+                        status = RequestStatus.FINISHED_STOPPED
+                    elif token_id in params.stop_token_ids:
+                        status, stop_reason = RequestStatus.FINISHED_STOPPED, token_id
+                if status is None and (num_outputs >= request.max_tokens or num_prompt + num_outputs >= max_model_len):
+                    status = RequestStatus.FINISHED_LENGTH
                 if status is not None:
                     self.finish_request(request_id, status, stop_reason)
+                    if count < len(token_ids):
+                        token_ids = token_ids[:count]
                     break
-            updates.append(RequestUpdate(request, new_token_ids, logprobs[: len(new_token_ids)],
-                                         status is not None))
+            logprobs = []
+            if params.logprobs is not None:
+                logprobs = sampled.logprobs_of(batch_idx, params.logprobs)
+                if len(logprobs) > len(token_ids):  # cut at a stop
+                    logprobs = logprobs[: len(token_ids)]
+            updates.append(RequestUpdate(request, token_ids, logprobs, status is not None))
         return updates
-
-    def _check_stop(self, request: Request, token_id: int):
-        params = request.sampling_params
-        num_outputs = len(request.output_token_ids)
-        if num_outputs >= params.min_tokens:
-            if token_id in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED, None
-            if token_id in params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED, token_id
-        if num_outputs >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH, None
-        return None, None
