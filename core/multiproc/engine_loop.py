@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import logging
 import pickle
+import queue
 import signal
+import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
@@ -60,15 +62,53 @@ def run_engine_process(model: str | None, options: dict, log_level: int, log_for
     _EngineLoop(engine, commands, results).run()
 
 
+class _ResultSender:
+    """Sends the loop's messages from a thread of its own. The server's process reads them on a
+    thread that shares its GIL with an event loop busy streaming tokens; while it lags, the pipe
+    fills, and the engine loop must not wait on that between device steps."""
+
+    def __init__(self, results: Connection):
+        self._results = results
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._broken = False
+        self._thread = threading.Thread(target=self._run, name="weir-engine-results", daemon=True)
+        self._thread.start()
+
+    def send(self, message: tuple | memoryview) -> None:
+        """Queue a message (or one already pickled); raises once the server stopped reading."""
+        if self._broken:
+            raise BrokenPipeError("the server's process stopped reading the engine's results")
+        self._queue.put(message)
+
+    def close(self) -> None:
+        """Send what is queued, then stop (the process exits next, daemon threads with it)."""
+        self._queue.put(None)
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        while (message := self._queue.get()) is not None:
+            try:
+                self._results.send_bytes(message if isinstance(message, (bytes, memoryview)) else ForkingPickler.dumps(message))
+            except OSError:
+                self._broken = True
+                return
+
+
 class _EngineLoop:
     def __init__(self, engine: LLMEngine, commands: Connection, results: Connection):
         self.engine = engine
         self.commands = commands
-        self.results = results
+        self.results = _ResultSender(results)
         self.keys: dict[str, int] = {}  # request id -> the server's key for its stream
         self.deltas = DeltaEncoder()
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            self.results.close()
+
+    def _run(self) -> None:
         try:
             while self._handle_commands(block=not self.engine.has_unfinished_requests()):
                 if self.engine.has_unfinished_requests():
@@ -120,7 +160,7 @@ class _EngineLoop:
                     answer = ForkingPickler.dumps(("called", seq, fn(self.engine), None))
                 except Exception as raised:  # raised by fn, or its result does not pickle
                     answer = ForkingPickler.dumps(("called", seq, None, portable_error(raised)))
-                self.results.send_bytes(answer)
+                self.results.send(answer)
             elif kind == "stop":
                 return False
         return True
