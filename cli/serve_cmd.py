@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import signal
 import socket
+import threading
 
 import typer
 
@@ -53,6 +55,15 @@ def _log_start(engine, sock: socket.socket, host: str) -> str:
                 " + ".join(map(str, summary.usable_blocks)), config.cache.block_size, config.scheduler.max_num_seqs)
     logger.info("Weir is serving the OpenAI API at %s/v1 (metrics at %s/metrics)", url, url)
     return url
+
+
+def _import_server_modules() -> None:
+    # An import that fails here fails again, with its traceback, where serve() imports it.
+    for name in ("uvicorn", "weir.server.app", "weir.server.connections"):
+        try:
+            importlib.import_module(name)
+        except Exception:
+            return
 
 
 @with_engine_options
@@ -105,13 +116,8 @@ def serve(
     engine_options: dict | None = None,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)."""
-    import uvicorn
-
-    from weir.async_engine import AsyncLLMEngine
     from weir.multiproc import ProcessEngine
     from weir.process import set_step_loop_gc_thresholds
-    from weir.server.app import build_app
-    from weir.server.connections import uvicorn_options
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     try:
@@ -131,12 +137,23 @@ def serve(
         sock = _bind(host, port)
         set_step_loop_gc_thresholds()
         if engine_in_process:
+            from weir.async_engine import AsyncLLMEngine
+
             engine = AsyncLLMEngine.from_options(model, **(engine_options or {}))
         else:
+            # The server's own imports (torch among them) run while the engine process starts.
+            importing = threading.Thread(target=_import_server_modules, name="weir-import", daemon=True)
+            importing.start()
             engine = ProcessEngine(model, engine_options, log_format=LOG_FORMAT)
+            importing.join()
     except (ValueError, RuntimeError, FileNotFoundError) as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(1) from None
+    import uvicorn
+
+    from weir.server.app import build_app
+    from weir.server.connections import uvicorn_options
+
     _log_start(engine, sock, host)
     config = uvicorn.Config(build_app(engine, settings), log_level=uvicorn_log_level, lifespan="on",
                             timeout_graceful_shutdown=shutdown_grace_seconds, **uvicorn_options(settings))

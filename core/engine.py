@@ -136,7 +136,10 @@ class LLMEngine:
         return True
 
     @classmethod
-    def from_options(cls, model: str | None = None, **options) -> "LLMEngine":
+    def from_options(cls, model: str | None = None, *, on_config: Callable[[EngineConfig], None] | None = None,
+                     **options) -> "LLMEngine":
+        """``on_config(config)`` runs once the config is made, before the model loads (the engine
+        process sends it ahead, so the server loads its tokenizer meanwhile)."""
         from weir.plugin_manager import load_plugins
 
         start = time.perf_counter()
@@ -162,6 +165,8 @@ class LLMEngine:
                         time.perf_counter() - start - platform_seconds)
         finally:  # also on a bad config: no set-up thread may outlive a failed start
             wait_for_device()
+        if on_config is not None:
+            on_config(config)
 
         def choose_attention_backends(layer_kinds: set[str]) -> dict[str, type]:
             return registry.select_attention_backends(platform, layer_kinds, args.attention_backend)

@@ -26,7 +26,7 @@ from multiprocessing.reduction import ForkingPickler
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 
-from weir.async_engine import (
+from weir.streams import (
     CLOSED,
     EngineCounters,
     EngineDeadError,
@@ -39,7 +39,7 @@ from weir.multiproc.deltas import DeltaDecoder
 from weir.multiproc.engine_loop import run_engine_process
 from weir.outputs import RequestOutput
 from weir.sampling_params import SamplingParams
-from weir.tokenizer import load_tokenizer
+from weir.tokenizer import start_loading_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -64,15 +64,6 @@ def _retrieve(future: asyncio.Future) -> None:
     """Read a wrapped answer's exception, so one its caller no longer awaits is not logged."""
     if not future.cancelled():
         future.exception()
-
-
-def _import_tokenizer_classes() -> None:
-    # transformers' lazy names must not be resolved from two threads at once: only this thread
-    # resolves AutoTokenizer, and the tokenizer loads after it has finished.
-    try:
-        from transformers import AutoTokenizer  # noqa: F401
-    except ImportError:
-        pass
 
 
 class ProcessEngine:
@@ -102,21 +93,25 @@ class ProcessEngine:
             raise
 
     def _start(self) -> None:
-        # This side loads the tokenizer too (chat templates, token bytes): its imports run
-        # beside the engine's start-up, and the load itself once the config has come.
-        importing = threading.Thread(target=_import_tokenizer_classes, name="weir-import", daemon=True)
-        importing.start()
-        try:
-            message = self._results.recv()
-        except EOFError:
-            self._process.join()
-            raise RuntimeError(f"the engine process exited with code {self._process.exitcode} "
-                               "while starting (see its log above)") from None
-        if message[0] == "failed":
-            raise message[1]
-        _, self._config, self._summary = message
-        importing.join()
-        self._tokenizer = load_tokenizer(self._config.model)
+        # This side loads the tokenizer too (chat templates, token bytes), beside the engine's
+        # start-up: from the config, which comes before the model loads.
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weir-tokenizer") as pool:
+            tokenizer = None
+            while True:
+                try:
+                    message = self._results.recv()
+                except EOFError:
+                    self._process.join()
+                    raise RuntimeError(f"the engine process exited with code {self._process.exitcode} "
+                                       "while starting (see its log above)") from None
+                if message[0] == "failed":
+                    raise message[1]
+                if message[0] == "config":
+                    tokenizer = start_loading_tokenizer(message[1].model, pool)
+                    continue
+                _, self._config, self._summary = message
+                break
+            self._tokenizer = (tokenizer or start_loading_tokenizer(self._config.model, pool)).result()
         self.counters = EngineCounters()
         # By key: added on the event loop, removed there (a reader's close) or by the receiver.
         self._streams: dict[int, RequestStream] = {}

@@ -5,8 +5,8 @@ process, and each step's outputs go back to it as one message of deltas. Its hos
 device steps (scheduling, sampling bookkeeping, detokenizing) then holds a GIL of its own, not
 the one the server's event loop spends on every streamed token.
 
-Messages to the server, each a tuple: ``("ready", config, summary)`` or ``("failed", error)``
-once at start; then ``("added", key, error)``, ``("called", seq, result, error)``,
+Messages to the server, each a tuple: at start ``("config", config)`` once the config is made,
+then ``("ready", config, summary)``, or ``("failed", error)`` at any point of the start; then ``("added", key, error)``, ``("called", seq, result, error)``,
 ``("outputs", [OutputDelta])``, ``("failed_requests", [key], message)``, ``("closed", key)``
 for a request aborted by id, and last ``("dead", message)``.
 """
@@ -21,11 +21,14 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
+from typing import TYPE_CHECKING
 
-from weir.async_engine import EngineSummary
-from weir.engine import LLMEngine
 from weir.multiproc.deltas import DeltaEncoder
 from weir.process import set_step_loop_gc_thresholds
+from weir.streams import EngineSummary
+
+if TYPE_CHECKING:
+    from weir.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,7 @@ def run_engine_process(model: str | None, options: dict, log_level: int, log_for
                        commands: Connection, results: Connection) -> None:
     """The process's target. ``on_start(engine)`` runs once the engine is built (a module-level
     function, so it pickles: benchmarks and tests wrap the engine's steps with it)."""
+    from weir.engine import LLMEngine  # here, not at the top: the server's process imports this module
     # The server's process decides when to stop (it lets requests drain first): a Ctrl-C sent
     # to the whole process group must not kill the engine under it. SIGTERM still ends it, as
     # multiprocessing's terminate() expects.
@@ -52,7 +56,7 @@ def run_engine_process(model: str | None, options: dict, log_level: int, log_for
     logging.basicConfig(level=log_level, format=log_format)
     set_step_loop_gc_thresholds()
     try:
-        engine = LLMEngine.from_options(model, **options)
+        engine = LLMEngine.from_options(model, on_config=lambda config: results.send(("config", config)), **options)
         if on_start is not None:
             on_start(engine)
     except BaseException as error:
