@@ -22,10 +22,14 @@ import logging
 import multiprocessing
 import queue
 import threading
-from multiprocessing.reduction import ForkingPickler
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
+from multiprocessing.reduction import ForkingPickler
 
+from weir.multiproc.deltas import DeltaDecoder
+from weir.multiproc.engine_loop import run_engine_process
+from weir.outputs import RequestOutput
+from weir.sampling_params import SamplingParams
 from weir.streams import (
     CLOSED,
     EngineCounters,
@@ -35,10 +39,6 @@ from weir.streams import (
     RequestStream,
     deliver_threadsafe,
 )
-from weir.multiproc.deltas import DeltaDecoder
-from weir.multiproc.engine_loop import run_engine_process
-from weir.outputs import RequestOutput
-from weir.sampling_params import SamplingParams
 from weir.tokenizer import start_loading_tokenizer
 
 logger = logging.getLogger(__name__)

@@ -5,10 +5,11 @@ process, and each step's outputs go back to it as one message of deltas. Its hos
 device steps (scheduling, sampling bookkeeping, detokenizing) then holds a GIL of its own, not
 the one the server's event loop spends on every streamed token.
 
-Messages to the server, each a tuple: at start ``("config", config)`` once the config is made,
-then ``("ready", config, summary)``, or ``("failed", error)`` at any point of the start; then ``("added", key, error)``, ``("called", seq, result, error)``,
-``("outputs", [OutputDelta])``, ``("failed_requests", [key], message)``, ``("closed", key)``
-for a request aborted by id, and last ``("dead", message)``.
+Messages to the server, each a tuple. At start: ``("config", config)`` once the config is made,
+then ``("ready", config, summary)``, or ``("failed", error)`` at any point. Then
+``("added", key, error)``, ``("called", seq, result, error)``, ``("outputs", [OutputDelta])``,
+``("failed_requests", [key], message)``, ``("closed", key)`` for a request aborted by id, and
+last ``("dead", message)``.
 """
 
 from __future__ import annotations
@@ -92,8 +93,13 @@ class _ResultSender:
     def _run(self) -> None:
         while (message := self._queue.get()) is not None:
             try:
-                self._results.send_bytes(message if isinstance(message, (bytes, memoryview)) else ForkingPickler.dumps(message))
-            except OSError:
+                payload = message if isinstance(message, memoryview) else ForkingPickler.dumps(message)
+                self._results.send_bytes(payload)
+            except OSError:  # the server's process is gone: the loop stops at its next send
+                self._broken = True
+                return
+            except Exception:  # a message that does not pickle: a bug, said loudly, and the loop stops too
+                logger.exception("cannot send the engine's results")
                 self._broken = True
                 return
 
