@@ -422,7 +422,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    # A `timeout` around this script sends SIGTERM: exit through the `finally` that stops the
+    # server, or its engine process keeps the GPU's memory after this script is gone.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     args = parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     failures: list[str] = []

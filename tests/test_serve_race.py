@@ -6,7 +6,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -124,3 +127,38 @@ def test_race_weir_on_the_tiny_model_against_a_fake_peer(race, tiny_llama_path, 
     for option in ("--num-prompts=3", "--input-len=6", "--output-len=4", "--warmup-prompts=1", "--bench-args=--text"):
         assert option in report["command"], report["command"]
     assert sys.executable not in weir_command and weir_command.startswith("python3 -m weir.cli.main serve")
+
+
+def _processes_naming(text: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(proc.name))
+        except OSError:  # gone meanwhile
+            pass
+    return pids
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads /proc (Linux)")
+def test_a_race_stopped_by_sigterm_stops_its_server(tmp_path):
+    """`timeout` around the script sends SIGTERM: the server it started must not outlive it."""
+    model = _model(tmp_path, "sigterm-model")
+    race = subprocess.Popen(
+        [sys.executable, str(ROOT / "benchmarks" / "serve_race.py"), str(tmp_path / "out"), "--model", str(model),
+         "--engines", "vllm", "--vllm-command", FAKE_PEER, "--rates", "0.5", "--num-prompts", "100",
+         "--warmup-prompts", "1", "--bench-args=--text"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "out" / "vllm-sigterm-model-rate0.5.log").exists():  # the server is up, benched
+            assert race.poll() is None and time.monotonic() < deadline, "the race did not reach its bench run"
+            time.sleep(0.2)
+        assert _processes_naming(str(model))  # the fake server, named by its model argument
+        race.send_signal(signal.SIGTERM)
+        assert race.wait(60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while _processes_naming(str(model)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _processes_naming(str(model))
+    finally:
+        race.kill()
