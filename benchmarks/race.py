@@ -28,8 +28,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 # vLLM options a model needs on this machine (peers.md): flashinfer is absent, so Qwen3-Next's
-# GDN prefill must use vLLM's Triton kernels.
-VLLM_EXTRA = {"qwen3-next-24l": {"additional_config": {"gdn_prefill_backend": "triton"}}}
+# GDN prefill must use vLLM's Triton kernels; with its defaults vLLM 0.26 runs out of memory
+# starting Kimi Linear 48B (CUDA-graph profiling for 1,024 sequences of KDA state).
+VLLM_EXTRA = {"qwen3-next-24l": {"additional_config": {"gdn_prefill_backend": "triton"}},
+              "kimi-linear-48b": {"max_num_seqs": 256, "max_num_batched_tokens": 4096}}
+
+
+def has_tokenizer(model: Path) -> bool:
+    """Folders without one (DeepSeek, Kimi: none can be had here) run on token ids alone."""
+    return (model / "tokenizer.json").is_file()
 
 
 def run(cmd: list[str], log: Path, env: dict | None = None, timeout: int = 900) -> str:
@@ -56,12 +63,14 @@ def weir_throughput(model: Path, size: int, out_dir: Path, env: dict | None = No
     run([sys.executable, "-m", "weir.cli.main", "bench", "throughput", str(model), "--load-format", "dummy",
          "--num-prompts", str(size), "--random-range", "100:1024,100:1024", "--temperature", "0.6",
          "--max-model-len", "4096", "--gpu-memory-utilization", "0.9", "--seed", "0",
+         *([] if has_tokenizer(model) else ["--skip-tokenizer-init"]),
          "--output-json", str(result_file), *options], out_dir / f"{name}.log", env=env)
     return json.loads(result_file.read_text())
 
 
 def vllm_throughput(model: Path, sizes: list[int], out_dir: Path) -> tuple[float, dict[int, float]]:
-    env = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_EXTRA": json.dumps(VLLM_EXTRA.get(model.name, {}))}
+    extra = {**VLLM_EXTRA.get(model.name, {}), **({} if has_tokenizer(model) else {"skip_tokenizer_init": True})}
+    env = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_EXTRA": json.dumps(extra)}
     stdout = run([sys.executable, str(HERE / "peers" / "bench_vllm.py"), str(model), ",".join(map(str, sizes))],
                  out_dir / f"vllm-{model.name}.log", env=env)
     startup = float(re.search(r"STARTUP ([\d.]+)s", stdout).group(1))
