@@ -4,7 +4,9 @@ Usage (on the GPU machine; any device with --device):
     python3 benchmarks/prefix_ttft.py OUT_DIR [--model benchmarks/models/qwen3-next-24l] [--device cuda]
         [--conversations 16] [--turns 4] [--system-prompt-len 2048] [--retention-interval 0 ...]
 ``--model`` is a model folder (a config alone runs with random weights). Two workloads, token-id
-prompts, each run with prefix caching off and on (once per ``--retention-interval``):
+prompts, each run with prefix caching off and on (once per ``--retention-interval``); with
+``--vllm``, vLLM runs them too, cache off and on, each in a child process that runs before any
+of Weir's (so the GPU's memory is all its own):
 - multi-turn chat: ``--conversations`` conversations of ``--turns`` turns; turn t's prompt is turn
   t-1's prompt plus a reply and a new user message (``--reply-len``, ``--user-len`` tokens), so
   each turn's prompt extends the last one (the hit a checkpoint at a prompt's last block boundary
@@ -22,7 +24,10 @@ import argparse
 import datetime
 import gc
 import json
+import os
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -52,11 +57,12 @@ def system_prompt_waves(args, vocab: int) -> list[list[list[int]]]:
     return [[system + tokens(rng, args.user_len, vocab) for _ in range(args.conversations)] for _ in range(2)]
 
 
-def run_waves(llm: LLM, waves: list[list[list[int]]]) -> list[dict]:
+def run_waves(llm, waves: list[list[list[int]]], params=ONE_TOKEN) -> list[dict]:
+    """``llm``: Weir's or vLLM's LLM (the same generate and num_cached_tokens)."""
     results = []
     for wave in waves:
         start = time.perf_counter()
-        outputs = llm.generate([{"prompt_token_ids": p} for p in wave], ONE_TOKEN, use_tqdm=False)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in wave], params, use_tqdm=False)
         seconds = time.perf_counter() - start
         prompt_tokens = sum(len(p) for p in wave)
         cached = sum(o.num_cached_tokens or 0 for o in outputs)
@@ -74,6 +80,35 @@ def engine_options(args, caching: bool, interval: int) -> dict:
     return options
 
 
+def vllm_runs(args, workloads: dict, caching: bool) -> dict:
+    """vLLM's waves with its prefix cache on or off (this process's only engine)."""
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    import vllm
+
+    from race import VLLM_EXTRA
+
+    llm = vllm.LLM(model=str(args.model), load_format=args.load_format, skip_tokenizer_init=True,
+                   max_model_len=args.max_model_len, enable_prefix_caching=caching, seed=0,
+                   gpu_memory_utilization=0.9, **VLLM_EXTRA.get(args.model.name, {}))
+    params = vllm.SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    per_workload = {}
+    for name, waves in workloads.items():
+        run_waves(llm, waves[:1], params)
+        llm.reset_prefix_cache()
+        per_workload[name] = run_waves(llm, waves, params)
+    return {"version": vllm.__version__, "waves": per_workload}
+
+
+def vllm_in_child(args, caching: bool) -> tuple[str, dict]:
+    """Run ``vllm_runs`` in a child process of this script; returns (label, its waves)."""
+    result = args.out_dir / f"vllm-{'on' if caching else 'off'}.json"
+    argv = [a for a in sys.argv[1:] if a != "--vllm"]
+    subprocess.run([sys.executable, __file__, *argv, "--vllm-child", "on" if caching else "off",
+                    "--vllm-result", str(result)], check=True, timeout=1800)
+    done = json.loads(result.read_text())
+    return f"vllm {done['version']} {'on' if caching else 'off'}", done["waves"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir", type=Path)
@@ -88,6 +123,9 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--retention-interval", type=int, action="append", default=None,
                         help="--prefix-cache-retention-interval values to run with the cache on (default: 0)")
+    parser.add_argument("--vllm", action="store_true", help="also run vLLM (installed here), cache off and on")
+    parser.add_argument("--vllm-child", choices=("on", "off"), help=argparse.SUPPRESS)  # vllm_in_child's
+    parser.add_argument("--vllm-result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
@@ -95,9 +133,13 @@ def main() -> None:
     longest = max(len(p) for waves in workloads.values() for wave in waves for p in wave)
     if longest >= args.max_model_len:
         raise SystemExit(f"the longest prompt has {longest} tokens; raise --max-model-len past it")
+    if args.vllm_child:
+        args.vllm_result.write_text(json.dumps(vllm_runs(args, workloads, args.vllm_child == "on")))
+        return
     runs = [("off", False, 0)] + [(f"on, interval {n}", True, n) for n in (args.retention_interval or [0])]
     report = {"model": str(args.model), "date": datetime.date.today().isoformat(), "args": {
         k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "runs": {}}
+    vllm_waves = dict(vllm_in_child(args, caching) for caching in (False, True)) if args.vllm else {}
     for label, caching, interval in runs:
         llm = LLM(str(args.model), **engine_options(args, caching, interval))
         per_workload = {}
@@ -110,6 +152,10 @@ def main() -> None:
                       for name, waves in per_workload.items()})
         del llm
         gc.collect()
+    for label, waves in vllm_waves.items():  # after Weir's: the reports compare with Weir's cache-off run
+        report["runs"][label] = waves
+        print(label, {name: [f"{w['seconds'] * 1e3:.0f} ms ({w['cached_tokens']} cached)" for w in ws]
+                      for name, ws in waves.items()})
     stem = f"prefix-ttft-{args.model.name}-{report['date']}"
     (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out_dir / f"{stem}.md").write_text(markdown(report, workloads))
