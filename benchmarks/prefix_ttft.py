@@ -11,8 +11,9 @@ of Weir's (so the GPU's memory is all its own):
   t-1's prompt plus a reply and a new user message (``--reply-len``, ``--user-len`` tokens), so
   each turn's prompt extends the last one (the hit a checkpoint at a prompt's last block boundary
   gives);
-- shared system prompt: ``--conversations`` requests of one ``--system-prompt-len``-token system
-  prompt plus their own user message, in two waves (the first fills the cache).
+- shared system prompt: ``--system-prompt-requests`` requests of one ``--system-prompt-len``-token
+  system prompt plus their own user message (``--own-len-range``), in two waves (the first fills
+  the cache).
 Each wave is sent at once with one output token, so its wall time is the time to the first token
 of its last request: the prefill work the cache saves or not. The first wave of every engine runs
 once beforehand to compile and warm it. Writes OUT_DIR/prefix-ttft-<model>-<date>.{json,md}.
@@ -54,7 +55,21 @@ def chat_waves(args, vocab: int) -> list[list[list[int]]]:
 def system_prompt_waves(args, vocab: int) -> list[list[list[int]]]:
     rng = random.Random(1)
     system = tokens(rng, args.system_prompt_len, vocab)
-    return [[system + tokens(rng, args.user_len, vocab) for _ in range(args.conversations)] for _ in range(2)]
+    low, high = args.own_len_range or (args.user_len, args.user_len)
+    num_requests = args.system_prompt_requests or args.conversations
+    return [[system + tokens(rng, rng.randint(low, high), vocab) for _ in range(num_requests)] for _ in range(2)]
+
+
+def length_range(text: str) -> tuple[int, int]:
+    """``100:400`` -> (100, 400)."""
+    low, _, high = text.partition(":")
+    try:
+        bounds = int(low), int(high)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: want LOW:HIGH token counts") from None
+    if not 0 < bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: want 0 < LOW <= HIGH")
+    return bounds
 
 
 def run_waves(llm, waves: list[list[list[int]]], params=ONE_TOKEN) -> list[dict]:
@@ -120,6 +135,10 @@ def main() -> None:
     parser.add_argument("--user-len", type=int, default=256)
     parser.add_argument("--reply-len", type=int, default=256)
     parser.add_argument("--system-prompt-len", type=int, default=2048)
+    parser.add_argument("--system-prompt-requests", type=int, default=None,
+                        help="requests per shared-system-prompt wave (default: --conversations)")
+    parser.add_argument("--own-len-range", type=length_range, default=None, metavar="LOW:HIGH",
+                        help="each shared-system-prompt request's own tokens, uniform (default: --user-len)")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--retention-interval", type=int, action="append", default=None,
                         help="--prefix-cache-retention-interval values to run with the cache on (default: 0)")
