@@ -156,8 +156,9 @@ def main() -> None:
         args.vllm_result.write_text(json.dumps(vllm_runs(args, workloads, args.vllm_child == "on")))
         return
     runs = [("off", False, 0)] + [(f"on, interval {n}", True, n) for n in (args.retention_interval or [0])]
-    report = {"model": str(args.model), "date": datetime.date.today().isoformat(), "args": {
-        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "runs": {}}
+    # Paths as a reader finds them (relative to the working folder), not by this machine's.
+    report = {"model": os.path.relpath(args.model), "date": datetime.date.today().isoformat(), "args": {
+        k: (os.path.relpath(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "runs": {}}
     vllm_waves = dict(vllm_in_child(args, caching) for caching in (False, True)) if args.vllm else {}
     for label, caching, interval in runs:
         llm = LLM(str(args.model), **engine_options(args, caching, interval))

@@ -35,7 +35,7 @@ VLLM_EXTRA = {"qwen3-next-24l": {"additional_config": {"gdn_prefill_backend": "t
 
 
 def has_tokenizer(model: Path) -> bool:
-    """Folders without one (DeepSeek, Kimi: none can be had here) run on token ids alone."""
+    """Folders that ship none (DeepSeek, Kimi Linear) run on token ids alone."""
     return (model / "tokenizer.json").is_file()
 
 

@@ -83,7 +83,7 @@ def main() -> None:
         for label, model in (("windowed", windowed), ("as-full", full)):
             results[workload, label] = result = weir_run(model, workload, args.out_dir, args.long_requests)
             # Named as a reader finds them, not by this machine's paths.
-            result["model"] = f"benchmarks/models/{args.model}" if model == windowed else f"OUT/{full.name}"
+            result["model"] = f"benchmarks/models/{args.model}" if model == windowed else f"OUT_DIR/{full.name}"
             print(f"weir {args.model} {label} {workload}: {result['output_tokens_per_second']:,.0f} out tok/s, "
                   f"{result['kv_cache_tokens']:,} context tokens, {result['num_preemptions']} preemptions", flush=True)
     peer = None if args.skip_vllm else vllm_run(windowed, args.out_dir)

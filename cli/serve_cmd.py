@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
 import logging
 import signal
 import socket
-import threading
 
 import typer
 
@@ -27,7 +25,6 @@ from weir.server.settings import (
 )
 
 logger = logging.getLogger("weir.serve")
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -55,15 +52,6 @@ def _log_start(engine, sock: socket.socket, host: str) -> str:
                 " + ".join(map(str, summary.usable_blocks)), config.cache.block_size, config.scheduler.max_num_seqs)
     logger.info("Weir is serving the OpenAI API at %s/v1 (metrics at %s/metrics)", url, url)
     return url
-
-
-def _import_server_modules() -> None:
-    # An import that fails here fails again, with its traceback, where serve() imports it.
-    for name in ("uvicorn", "weir.server.app", "weir.server.connections"):
-        try:
-            importlib.import_module(name)
-        except Exception:
-            return
 
 
 @with_engine_options
@@ -116,8 +104,12 @@ def serve(
     engine_options: dict | None = None,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)."""
-    from weir.multiproc import ProcessEngine
+    import uvicorn
+
+    from weir.multiproc import LOG_FORMAT, ProcessEngine
     from weir.process import set_step_loop_gc_thresholds
+    from weir.server.app import build_app
+    from weir.server.connections import uvicorn_options
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     try:
@@ -141,19 +133,10 @@ def serve(
 
             engine = AsyncLLMEngine.from_options(model, **(engine_options or {}))
         else:
-            # The server's own imports (torch among them) run while the engine process starts.
-            importing = threading.Thread(target=_import_server_modules, name="weir-import", daemon=True)
-            importing.start()
-            engine = ProcessEngine(model, engine_options, log_format=LOG_FORMAT)
-            importing.join()
+            engine = ProcessEngine(model, engine_options)
     except (ValueError, RuntimeError, FileNotFoundError) as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(1) from None
-    import uvicorn
-
-    from weir.server.app import build_app
-    from weir.server.connections import uvicorn_options
-
     _log_start(engine, sock, host)
     config = uvicorn.Config(build_app(engine, settings), log_level=uvicorn_log_level, lifespan="on",
                             timeout_graceful_shutdown=shutdown_grace_seconds, **uvicorn_options(settings))

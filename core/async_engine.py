@@ -17,13 +17,12 @@ import logging
 import queue
 import threading
 from collections import defaultdict
-from collections.abc import AsyncIterator
 
 from weir.engine import LLMEngine
-from weir.outputs import RequestOutput
 from weir.sampling_params import SamplingParams
 from weir.streams import (  # noqa: F401 (EngineDeadError and RequestFailedError: this module's API too)
     CLOSED,
+    EngineClient,
     EngineCounters,
     EngineDeadError,
     EngineSummary,
@@ -35,7 +34,7 @@ from weir.streams import (  # noqa: F401 (EngineDeadError and RequestFailedError
 logger = logging.getLogger(__name__)
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(EngineClient):
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -66,10 +65,6 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping.is_set()
 
-    @property
-    def num_streams(self) -> int:
-        return len(self._streams)
-
     # ---- caller side (event loop) ------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt, params: SamplingParams) -> RequestStream:
@@ -89,16 +84,6 @@ class AsyncLLMEngine:
             self._num_adding -= 1
         return stream
 
-    async def generate(self, request_id: str, prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs (cumulative) until it finishes. Cancelling the consumer
-        (a client that went away) aborts the request and frees its blocks at once."""
-        stream = await self.add_request(request_id, prompt, params)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            stream.close()
-
     async def _wait_for_engine(self, future: concurrent.futures.Future):
         """Await a command's answer; if the loop dies without answering, raise EngineDeadError."""
         waiting = asyncio.wrap_future(future)
@@ -109,10 +94,6 @@ class AsyncLLMEngine:
             if not self._thread.is_alive():
                 waiting.cancel()
                 raise EngineDeadError("the engine loop stopped before answering")
-
-    async def call_async(self, fn):
-        """``call`` awaited on the event loop."""
-        return await self._wait_for_engine(self.call(fn))
 
     def abort(self, request_id: str) -> None:
         """Abort the request now known by this id; its reader's iteration ends."""
@@ -134,10 +115,7 @@ class AsyncLLMEngine:
 
     async def shutdown(self, grace_seconds: float = 0.0) -> None:
         """Let in-flight requests finish for up to ``grace_seconds``, then abort the rest."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace_seconds
-        while (self._streams or self._num_adding) and loop.time() < deadline:
-            await asyncio.sleep(0.05)
+        await self._drain(grace_seconds)
         self._stopping.set()
         self._commands.put(("wake",))
         await asyncio.to_thread(self._thread.join, 30)

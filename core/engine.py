@@ -59,22 +59,21 @@ class _Parent:
                 return False
         return True
 
-    def output(self) -> RequestOutput:
+    def output(self, finished: bool) -> RequestOutput:
+        """``finished``: ``self.finished``, which the caller has read already."""
         completions = []
-        all_finished = True
         for child in self.children:
             request = child.request
-            finished = request.is_finished
-            all_finished = all_finished and finished
+            done = request.is_finished
             completions.append(CompletionOutput(
-                index=child.index, text=child.detokenizer.visible_text(finished),
+                index=child.index, text=child.detokenizer.visible_text(done),
                 token_ids=list(request.output_token_ids), cumulative_logprob=child.cumulative_logprob,
-                logprobs=child.logprobs, finish_reason=request.status.value if finished else None,
+                logprobs=child.logprobs, finish_reason=request.status.value if done else None,
                 stop_reason=request.stop_reason,
                 spec_decode_metrics=(None if request.spec_stats is None
-                                     else request.spec_stats.copy(with_steps=finished)),
+                                     else request.spec_stats.copy(with_steps=done)),
             ))
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, all_finished,
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished,
                              self.children[0].request.num_cached_tokens)
 
 
@@ -322,7 +321,7 @@ class LLMEngine:
             if finished:
                 done.append(parent)
             if finished or not parent.final_only:
-                outputs.append(parent.output())
+                outputs.append(parent.output(finished))
         busy = self.has_unfinished_requests()
         if self._busy and not busy:
             # The engine just went idle: every block and slot must be back.

@@ -1,11 +1,12 @@
 """What both engine clients share (``weir.async_engine.AsyncLLMEngine``'s thread and
 ``weir.multiproc.ProcessEngine``'s process): a request's stream, the errors its reader sees, the
-counters and the start-up summary. It imports nothing heavy, so the server's process can start
-an engine process before it imports torch."""
+counters and the start-up summary. It imports nothing heavy: with the engine in a process of its
+own, the server's process never imports torch."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -112,6 +113,41 @@ class RequestStream:
             self.finished = True
             self.engine._abort_stream(self)
             self.put(CLOSED)
+
+
+class EngineClient:
+    """What both clients do alike over their own ``add_request``, ``call`` and
+    ``_wait_for_engine``; each keeps ``_streams`` (one entry per unended stream) and
+    ``_num_adding`` (adds sent, not yet answered)."""
+
+    _streams: dict
+    _num_adding: int
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    async def generate(self, request_id: str, prompt, params) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs (cumulative) until it finishes. Cancelling the consumer
+        (a client that went away) aborts the request and frees its blocks at once."""
+        stream = await self.add_request(request_id, prompt, params)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
+
+    async def call_async(self, fn):
+        """``call`` awaited on the event loop."""
+        return await self._wait_for_engine(self.call(fn))
+
+    async def _drain(self, grace_seconds: float) -> None:
+        """Shutdown's grace period: wait, up to ``grace_seconds``, for every stream to end and
+        every add to be answered, while the engine still runs."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_seconds
+        while (self._streams or self._num_adding) and loop.time() < deadline and self.is_running:
+            await asyncio.sleep(0.05)
 
 
 def deliver_threadsafe(loop: asyncio.AbstractEventLoop, items: list) -> None:

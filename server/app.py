@@ -15,7 +15,6 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from weir.async_engine import AsyncLLMEngine
 from weir.server import info
 from weir.server.chat import create_chat_completion
 from weir.server.completions import create_completion
@@ -25,6 +24,7 @@ from weir.server.responses import create_response
 from weir.server.settings import ServerSettings
 from weir.server.state import ServerState
 from weir.server.streaming import SHUTDOWN_ERROR, ClientDisconnected
+from weir.streams import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ async def _http_error(request: Request, error: HTTPException) -> Response:
                     code="not_found" if error.status_code == 404 else None).response()
 
 
-def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> Starlette:
+def build_app(engine: EngineClient, settings: ServerSettings) -> Starlette:
     """The app serving ``engine``; its lifespan stops the engine when the server stops."""
     state = ServerState(engine, settings)
     table = [

@@ -9,10 +9,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from weir.async_engine import RequestStream
 from weir.outputs import RequestOutput
 from weir.server.admission import AdmissionTicket
 from weir.server.metrics import RequestRecord, ServerMetrics
+from weir.streams import RequestStream
 
 
 class Generation:

@@ -5,12 +5,12 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from weir.async_engine import EngineDeadError
 from weir.server.body import parse, read_json
 from weir.server.errors import APIError, bad_request
 from weir.server.metrics import read_engine_stats
 from weir.server.protocol import DetokenizeRequest, TokenizeRequest, check_template_options, template_kwargs
 from weir.server.state import ServerState
+from weir.streams import EngineDeadError
 
 
 def _model_card(state: ServerState) -> dict:

@@ -41,7 +41,7 @@ class RequestRecord:
 
 
 def read_engine_stats(engine) -> dict:
-    """Runs on the engine thread (``AsyncLLMEngine.call``), so it sees a consistent state."""
+    """Runs in the engine's loop (the clients' ``call``), so it sees a consistent state."""
     scheduler = engine.scheduler
     kv_cache = scheduler.kv_cache
     stats = {"num_running": scheduler.num_running, "num_waiting": scheduler.num_waiting,
@@ -277,7 +277,7 @@ class StatsLogger:
 
     async def run(self) -> None:
         """Log every ``interval`` seconds until cancelled or the engine stops."""
-        from weir.async_engine import EngineDeadError
+        from weir.streams import EngineDeadError
 
         while True:
             await asyncio.sleep(self.interval)

@@ -6,9 +6,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from weir.async_engine import EngineDeadError, RequestFailedError
 from weir.outputs import CompletionOutput
 from weir.server.errors import APIError
+from weir.streams import EngineDeadError, RequestFailedError
 
 logger = logging.getLogger(__name__)
 

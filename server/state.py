@@ -9,18 +9,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from weir import __version__
-from weir.async_engine import AsyncLLMEngine, EngineDeadError
 from weir.server.admission import AdmissionControl
 from weir.server.errors import APIError, bad_request, from_value_error
 from weir.server.generation import Generation
 from weir.server.logprobs import TokenBytes
 from weir.server.metrics import ServerMetrics
 from weir.server.settings import ServerSettings
+from weir.streams import EngineClient, EngineDeadError
 from weir.tokenizer import apply_chat_template, encode_prompt
 
 @dataclass
 class ServerState:
-    engine: AsyncLLMEngine
+    engine: EngineClient  # weir.async_engine.AsyncLLMEngine or weir.multiproc.ProcessEngine
     settings: ServerSettings
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))

@@ -77,8 +77,8 @@ def test_a_failure_while_building_outputs_loses_no_finished_request(tiny_llama_p
         engine.add_request(name, {"prompt_token_ids": list(range(40, 60))}, GREEDY.clone(max_tokens=3))
     original, finished_outputs = _Parent.output, []
 
-    def output(parent):
-        built = original(parent)
+    def output(parent, finished):
+        built = original(parent, finished)
         if built.finished:
             finished_outputs.append(built.request_id)
             if len(finished_outputs) == 2:

@@ -144,6 +144,9 @@ def _processes_naming(text: str) -> list[int]:
 def test_a_race_stopped_by_sigterm_stops_its_server(tmp_path):
     """`timeout` around the script sends SIGTERM: the server it started must not outlive it."""
     model = _model(tmp_path, "sigterm-model")
+
+    def server_pids() -> list[int]:  # the race's own command line names the model too
+        return [pid for pid in _processes_naming(str(model)) if pid in _processes_naming("bench_fake_server.py")]
     race = subprocess.Popen(
         [sys.executable, str(ROOT / "benchmarks" / "serve_race.py"), str(tmp_path / "out"), "--model", str(model),
          "--engines", "vllm", "--vllm-command", FAKE_PEER, "--rates", "0.5", "--num-prompts", "100",
@@ -153,12 +156,12 @@ def test_a_race_stopped_by_sigterm_stops_its_server(tmp_path):
         while not (tmp_path / "out" / "vllm-sigterm-model-rate0.5.log").exists():  # the server is up, benched
             assert race.poll() is None and time.monotonic() < deadline, "the race did not reach its bench run"
             time.sleep(0.2)
-        assert _processes_naming(str(model))  # the fake server, named by its model argument
+        assert server_pids()  # the fake server is up
         race.send_signal(signal.SIGTERM)
         assert race.wait(60) == 128 + signal.SIGTERM
         deadline = time.monotonic() + 10
-        while _processes_naming(str(model)) and time.monotonic() < deadline:
+        while server_pids() and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _processes_naming(str(model))
+        assert not server_pids()
     finally:
         race.kill()

@@ -232,6 +232,7 @@ class OracleProposer:
     n-grams over a random model rarely give. Reads the device (a test may)."""
 
     num_lookahead_tokens = 0
+    runs_without_samples = False
 
     def __init__(self, continuations: dict[tuple[int, ...], list[int]], num_drafts: int, corrupt_every: int = 4):
         self.continuations = continuations

@@ -261,7 +261,7 @@ class KVCacheManager:
                 self.checkpoints.plan(request.update_block_hashes(block_size), request.state_slot,
                                       held.retained, 0, num_tokens_after_step)
             return self._nothing_appended
-        num_blocks_needed = -(-num_tokens_after_step // self.block_size)
+        num_blocks_needed = self.blocks_for(num_tokens_after_step)
         hits = computed_blocks if has_hits else tuple([] for _ in self.groups)
         num_new_blocks = []
         for pool, ids, group_hits in zip(self.pools, held.block_ids, hits):

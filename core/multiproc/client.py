@@ -23,15 +23,15 @@ import multiprocessing
 import queue
 import threading
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 
 from weir.multiproc.deltas import DeltaDecoder
 from weir.multiproc.engine_loop import run_engine_process
-from weir.outputs import RequestOutput
 from weir.sampling_params import SamplingParams
 from weir.streams import (
     CLOSED,
+    EngineClient,
     EngineCounters,
     EngineDeadError,
     EngineSummary,
@@ -45,7 +45,8 @@ logger = logging.getLogger(__name__)
 
 # The answer each command kind waits for (abort and stop wait for none).
 _ANSWER_KINDS = {"add": "added", "call": "called"}
-DEFAULT_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# weir serve's log lines, in both processes.
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _STOP_SENDER = object()
 
 
@@ -66,9 +67,9 @@ def _retrieve(future: asyncio.Future) -> None:
         future.exception()
 
 
-class ProcessEngine:
+class ProcessEngine(EngineClient):
     def __init__(self, model: str | None = None, options: dict | None = None, *,
-                 log_level: int = logging.INFO, log_format: str = DEFAULT_LOG_FORMAT,
+                 log_level: int = logging.INFO, log_format: str = LOG_FORMAT,
                  on_start: Callable | None = None):
         """Start the engine process and wait until its engine is built. A start-up failure there
         is raised here with its own type (a ValueError for a bad option, ...)."""
@@ -147,10 +148,6 @@ class ProcessEngine:
     def is_running(self) -> bool:
         return self._process.is_alive() and not self._stopping.is_set() and not self._dead.is_set()
 
-    @property
-    def num_streams(self) -> int:
-        return len(self._streams)
-
     # ---- caller side (event loop) ------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt, params: SamplingParams) -> RequestStream:
@@ -178,14 +175,6 @@ class ProcessEngine:
             self._num_adding -= 1
         return stream
 
-    async def generate(self, request_id: str, prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        stream = await self.add_request(request_id, prompt, params)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            stream.close()
-
     async def _wait_for_engine(self, future: concurrent.futures.Future):
         # asyncio.wait, not awaiting the wrapped future: cancelling the caller must not cancel
         # the future the receiver thread will answer.
@@ -193,9 +182,6 @@ class ProcessEngine:
         waiting.add_done_callback(_retrieve)
         await asyncio.wait({waiting})
         return waiting.result()
-
-    async def call_async(self, fn):
-        return await self._wait_for_engine(self.call(fn))
 
     def call(self, fn) -> concurrent.futures.Future:
         """Run ``fn(engine)`` in the engine process; ``fn`` and its result must pickle (a
@@ -219,10 +205,7 @@ class ProcessEngine:
 
     async def shutdown(self, grace_seconds: float = 0.0) -> None:
         """Let in-flight requests finish for up to ``grace_seconds``, then abort the rest."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace_seconds
-        while (self._streams or self._num_adding) and loop.time() < deadline and not self._dead.is_set():
-            await asyncio.sleep(0.05)
+        await self._drain(grace_seconds)
         self._stopping.set()
         self._outbox.put(("stop",))
         await asyncio.to_thread(self._process.join, 30)

@@ -103,9 +103,11 @@ class SpeculativeConfig:
                 if getattr(self, name) is not None:
                     raise ValueError(f"speculative_config.{name} is an ngram option; method is {self.method!r}")
         size = self.draft_tensor_parallel_size
-        if size is not None and (isinstance(size, bool) or size != 1):
-            raise ValueError(f"speculative_config.draft_tensor_parallel_size={self.draft_tensor_parallel_size!r}: "
-                             f"only 1 (tensor parallelism is not implemented)")
+        if size is not None:
+            _check_int("draft_tensor_parallel_size", size, 1, None)
+            if size != 1:
+                raise ValueError(f"speculative_config.draft_tensor_parallel_size={size}: only 1 (tensor "
+                                 f"parallelism is not implemented)")
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"speculative_config.model must be a path (a string), got {self.model!r}")
         if self.method in ("draft_model", "eagle", "eagle3") and self.model is None:

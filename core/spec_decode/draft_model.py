@@ -31,6 +31,8 @@ from weir.weights.loader import load_model
 
 
 class DraftModelProposer:
+    runs_without_samples = True  # its KV of a prefill chunk is written by a pass in that step
+
     def __init__(self, runner, config):
         draft_config = runner.config.draft_model
         if draft_config is None:

@@ -62,6 +62,8 @@ def _load_head(runner, config):
 
 
 class HiddenStateProposer:
+    runs_without_samples = True  # its KV of a prefill chunk is written by a pass in that step
+
     def __init__(self, runner, config):
         self.runner = runner
         self.head, what = _load_head(runner, config)

@@ -62,6 +62,7 @@ class NgramProposer:
     """Writes each sampled row's drafts into the request table, after its known tokens."""
 
     num_lookahead_tokens = 0  # drafts are verified, never computed ahead
+    runs_without_samples = False  # a step that sampled nothing leaves it nothing to look up
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int):
         self.num_speculative_tokens = num_speculative_tokens

@@ -25,6 +25,9 @@ from weir.spec_decode.verify import Verifier, VerifyLayout, verify_layout
 
 
 def make_proposer(runner, config: SpeculativeConfig):
+    """The method's proposer: ``num_lookahead_tokens`` (KV slots it writes past a step's tokens),
+    ``runs_without_samples`` (whether a step that sampled nothing still needs its pass) and
+    ``propose(table, rows, max_len, ...)``."""
     if config.method == "ngram":
         from weir.spec_decode.ngram import NgramProposer
 
@@ -104,7 +107,7 @@ class SpecDecodeStep:
         sampled = [index for index, req_id in enumerate(plan.req_ids) if req_id in out.sampling_req_ids]
         # A draft network runs even when nothing sampled (only prefill chunks): its first pass
         # writes its KV of the chunks, which every later draft of those requests attends to.
-        if sampled or getattr(self.proposer, "caches", None) is not None:
+        if sampled or self.proposer.runs_without_samples:
             rows = host_to_device(plan.rows[sampled], runner.device, runner.pin_memory)
             self.proposer.propose(table, rows, max_known, plan=plan, layout=layout, result=result,
                                   sampled=np.asarray(sampled, dtype=np.int64))
