@@ -60,6 +60,12 @@ class LayerBackend:
     # grids fixed by host sizes that stay the same for a padded batch size: safe to capture in a
     # CUDA graph. ``build_metadata`` then runs inside the graph too, so its device work is replayed.
     supports_cuda_graphs: ClassVar[bool] = False
+    # Mixed batches (prefills beside decodes) too, padded to a fixed ``num_tokens`` and
+    # ``num_reqs``: every launch is sized by those two and ``max_query_len`` alone, padding
+    # requests own no token (and read only the null block), and tokens past the last request
+    # (slot -1) are computed by no kernel and read by no request's row. Full CUDA graphs then hold whole
+    # prefill steps, not only decode ones (``weir.runner.cuda_graphs``).
+    supports_mixed_cuda_graphs: ClassVar[bool] = False
 
     @classmethod
     def supports(cls, device_type: str, layer_kinds: set[str]) -> bool:

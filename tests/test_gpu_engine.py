@@ -50,6 +50,43 @@ def test_qwen3_bf16_parity_with_graphs_and_eager(qwen3_path):
         print("eager" if eager else "graphs", "tokens identical before any near-tie divergence:", matched)
 
 
+def test_mixed_steps_replay_graphs_and_follow_transformers(qwen3_path):
+    """cudagraph_mode "full": steps with prefill chunks beside decodes replay mixed-step graphs
+    ("full_decode_only": none do), follow transformers as eager steps do, and sync nothing."""
+    from transformers import AutoModelForCausalLM
+
+    rng = random.Random(2)
+    # Chunks of 128 tokens: the long prompts prefill beside the short ones' decodes.
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (5, 9, 40, 70, 130, 250, 3, 200)]
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    hf = AutoModelForCausalLM.from_pretrained(qwen3_path, dtype=torch.bfloat16).cuda()
+    references = [hf_greedy_bf16(hf, p, NUM_TOKENS) for p in prompts]
+    del hf
+    for mode in ("full", "full_decode_only"):
+        llm = LLM(str(qwen3_path), dtype="bfloat16", cudagraph_mode=mode, max_num_batched_tokens=128,
+                  gpu_memory_utilization=0.3, max_model_len=512)
+        runner = llm.engine.runner
+        assert runner.mixed_graph_shapes == ([(128, 32), (64, 32)] if mode == "full" else [])
+        replays = []
+        replay = runner.graphs.replay
+        runner.graphs.replay = lambda size, width=1, num_tokens=None: replays.append(num_tokens) or replay(
+            size, width, num_tokens)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        mixed_replays = sum(tokens is not None for tokens in replays)
+        assert (mixed_replays > 0) == (mode == "full"), f"{mode}: {mixed_replays} mixed-step graph replays"
+        matched = [assert_greedy_parity(o.outputs[0].token_ids, *reference, margin_tol=0.25)
+                   for o, reference in zip(outputs, references)]
+        print(mode, f"{mixed_replays} mixed replays; tokens identical before any near-tie divergence:", matched)
+        assert_nothing_held(llm)
+        del llm
+        torch.cuda.empty_cache()
+    # Mixed steps among the checked ones: 24 prompts of 40+ tokens prefill in chunks beside decodes.
+    llm = LLM(str(qwen3_path), dtype="bfloat16", max_num_batched_tokens=256, gpu_memory_utilization=0.3,
+              max_model_len=512)
+    assert llm.engine.runner.mixed_graph_shapes
+    assert_steps_do_not_sync(llm)
+
+
 def test_graph_pool_fits_in_what_kv_sizing_reserved(tmp_path):
     """Every graph keeps its own [size, vocab] logits alive in the pool (2.4 GiB for Qwen3's vocab
     over 36 sizes): KV sizing must reserve them, or the engine overshoots gpu_memory_utilization."""

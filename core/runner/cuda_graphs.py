@@ -1,4 +1,4 @@
-"""CUDA graphs for decode-only batches.
+"""CUDA graphs for decode batches and, where every backend allows it, for mixed ones.
 
 A decode batch of ``num_reqs`` requests (one query token each) is padded to the next captured
 size and replayed from a graph holding the whole model forward and the logits. Under speculative
@@ -12,6 +12,16 @@ block tables are all null block, so they read and write only the null block (and
 models, only the padding state slot). Capture goes through the runner's own step
 (``ModelRunner.dummy_run``), largest batch first, into one memory pool that smaller batches
 share; the pool's size is measured, not guessed.
+
+Mixed steps (prefill chunks beside decodes) replay a graph too when every layer backend declares
+``supports_mixed_cuda_graphs`` and the model is dense: such a step is padded to one of
+``MIXED_TOKEN_SIZES`` tokens and ``MIXED_BATCH_SIZES`` requests (padding requests own no token,
+and padding tokens belong to no request), and the graph holds its whole forward and the logits of
+every request's last token. An eager mixed step launches a few hundred kernels from Python; on a
+slow host that costs more than the GPU spends on a short prefill chunk and on the decodes beside
+it, and every request running meanwhile waits for it. Larger steps run eagerly: their GPU time
+hides the launches. Dense only, because a padded token's unwritten attention output is whatever
+the pool held: row-wise layers keep it in its row, but a router could send it to an expert.
 """
 
 from __future__ import annotations
@@ -33,12 +43,44 @@ def default_capture_sizes(max_num_seqs: int, limit: int = 512) -> list[int]:
     return sorted({size for size in sizes if size <= largest} | {largest})
 
 
-def graph_pool_bytes_estimate(decode_peak_bytes: int, capture_sizes: list[int], logits_row_bytes: int) -> int:
-    """Memory the graphs' pool will hold: one set of activations for the largest batch (the
-    captures reuse it, largest first: ``decode_peak_bytes`` of an eager run) plus every graph's
-    own logits output, which stays alive for replays ([size, vocab] each, beyond the largest's)."""
-    extra_logits = sorted(capture_sizes)[:-1]
-    return decode_peak_bytes + sum(_allocator_rounded(size * logits_row_bytes) for size in extra_logits)
+# Mixed-step graphs: token counts (finer where a padded token costs more) and request counts;
+# steps with more of either run eagerly.
+MIXED_TOKEN_SIZES = (64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048)
+MIXED_BATCH_SIZES = (32, 128)
+
+
+def mixed_graph_shapes(max_num_batched_tokens: int, max_running_reqs: int) -> list[tuple[int, int]]:
+    """(num_tokens, num_reqs) of each mixed-step graph, largest first. A mixed step has a request
+    of two tokens or more, so a shape holds more tokens than requests."""
+    batches = sorted({min(size, max_running_reqs) for size in MIXED_BATCH_SIZES})
+    tokens = [size for size in MIXED_TOKEN_SIZES if size <= max_num_batched_tokens]
+    return sorted(((t, b) for t in tokens for b in batches if t > b), reverse=True)
+
+
+def mixed_capture_lens(num_tokens: int, batch: int, max_model_len: int) -> list[int]:
+    """Query lengths of a fake mixed step of exactly ``num_tokens`` tokens over ``batch``
+    requests (``num_tokens > batch``): decodes, and the rest in as few prefill chunks of at most
+    ``max_model_len`` tokens as hold it."""
+    chunks = 1
+    while num_tokens - (batch - chunks) > chunks * max_model_len:
+        chunks += 1
+    if chunks > batch:
+        raise ValueError(f"{batch} requests of at most {max_model_len} tokens cannot hold {num_tokens} tokens")
+    base, extra = divmod(num_tokens - (batch - chunks), chunks)
+    return [1] * (batch - chunks) + [base + (1 if i < extra else 0) for i in range(chunks)]
+
+
+def graph_pool_bytes_estimate(activation_peak_bytes: int, capture_sizes: list[int], logits_row_bytes: int,
+                              mixed_batches: list[int] = (), peak_batch: int | None = None) -> int:
+    """Memory the graphs' pool will hold: one set of activations for the largest step (the
+    captures reuse it, largest first: ``activation_peak_bytes`` of an eager run of it) plus every
+    graph's own logits output, which stays alive for replays ([batch, vocab] each), but for the
+    logits of the graph whose run gave the peak (``peak_batch``; default the largest decode
+    batch): the peak holds those already."""
+    batches = [*capture_sizes, *mixed_batches]
+    if batches:
+        batches.remove(peak_batch if peak_batch is not None else max(capture_sizes or batches))
+    return activation_peak_bytes + sum(_allocator_rounded(size * logits_row_bytes) for size in batches)
 
 
 def _allocator_rounded(num_bytes: int) -> int:
@@ -47,13 +89,15 @@ def _allocator_rounded(num_bytes: int) -> int:
 
 
 class CudaGraphs:
-    """The captured decode graphs, by padded batch size, and their shared memory pool."""
+    """The captured graphs, by padded batch size (and token count for mixed steps), and their
+    shared memory pool."""
 
     def __init__(self, device: torch.device, capture_sizes: list[int]):
         self.device = device
         self.capture_sizes = sorted(capture_sizes)
         self.graphs: dict = {}  # by size, or (size, width) for graphs of width > 1
         self._captured: dict[int, list[int]] = {}  # width -> sizes with a graph, ascending
+        self._mixed: dict[int, list[int]] = {}  # mixed steps: batch size -> token counts with a graph, ascending
         self.logits: dict = {}  # each graph's output: logits [size, vocab], or what its forward returned
         self.pool_bytes = 0
         self._pool = None
@@ -65,8 +109,22 @@ class CudaGraphs:
         index = bisect.bisect_left(captured, num_reqs)
         return captured[index] if index < len(captured) else None
 
+    def padded_mixed(self, num_reqs: int, num_tokens: int) -> tuple[int, int] | None:
+        """(num_tokens, batch size) of the smallest mixed-step graph that holds a step of
+        ``num_reqs`` requests and ``num_tokens`` tokens (its padding requests own none), or None."""
+        for batch in sorted(self._mixed):
+            if batch < num_reqs:
+                continue
+            sizes = self._mixed[batch]
+            index = bisect.bisect_left(sizes, num_tokens)
+            if index < len(sizes):
+                return sizes[index], batch
+        return None
+
     @staticmethod
-    def key(batch_size: int, width: int = 1):
+    def key(batch_size: int, width: int = 1, num_tokens: int | None = None):
+        if num_tokens is not None:
+            return ("mixed", num_tokens, batch_size)
         return batch_size if width == 1 else (batch_size, width)
 
     @contextlib.contextmanager
@@ -86,29 +144,38 @@ class CudaGraphs:
         # what is measured below is the pool alone.
         torch.cuda.empty_cache()
         self.pool_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
-        logger.info("captured %d decode CUDA graphs (batch 1..%d%s) in %.1f s, %.2f GiB", len(self.graphs),
-                    self.capture_sizes[-1], ", each run eagerly first" if eager_first else "",
+        num_mixed = sum(map(len, self._mixed.values()))
+        mixed = (f", {num_mixed} mixed-step ones (up to {max(max(s) for s in self._mixed.values())} tokens)"
+                 if num_mixed else "")
+        logger.info("captured %d decode CUDA graphs (batch 1..%d%s)%s in %.1f s, %.2f GiB", len(self.graphs) - num_mixed,
+                    self.capture_sizes[-1], ", each run eagerly first" if eager_first else "", mixed,
                     time.perf_counter() - start, self.pool_bytes / 2**30)
 
-    def capture(self, batch_size: int, forward: Callable[[], torch.Tensor], width: int = 1) -> None:
+    def capture(self, batch_size: int, forward: Callable[[], torch.Tensor], width: int = 1,
+                num_tokens: int | None = None) -> None:
         """Record ``forward()`` (returning logits [batch_size, vocab], or any tensors the caller
-        reads after a replay) as the graph of this size and width."""
+        reads after a replay) as the graph of this size and width, or of a mixed step of
+        ``num_tokens`` tokens."""
+        key = self.key(batch_size, width, num_tokens)
         graph = torch.cuda.CUDAGraph()
         main_stream = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(main_stream)
         with torch.cuda.stream(self._stream):
             graph.capture_begin(pool=self._pool)
             try:
-                self.logits[self.key(batch_size, width)] = forward()
+                self.logits[key] = forward()
             finally:
                 graph.capture_end()
         main_stream.wait_stream(self._stream)
-        self.graphs[self.key(batch_size, width)] = graph
-        bisect.insort(self._captured.setdefault(width, []), batch_size)
+        self.graphs[key] = graph
+        if num_tokens is None:
+            bisect.insort(self._captured.setdefault(width, []), batch_size)
+        else:
+            bisect.insort(self._mixed.setdefault(batch_size, []), num_tokens)
 
-    def replay(self, batch_size: int, width: int = 1):
-        """Run the graph of this size and width on the input buffers' current contents; returns its
-        output (the captured forward's)."""
-        key = self.key(batch_size, width)
+    def replay(self, batch_size: int, width: int = 1, num_tokens: int | None = None):
+        """Run the graph of this size and width (or mixed-step token count) on the input buffers'
+        current contents; returns its output (the captured forward's)."""
+        key = self.key(batch_size, width, num_tokens)
         self.graphs[key].replay()
         return self.logits[key]

@@ -26,7 +26,7 @@ class StepPlan:
     rows: np.ndarray  # [num_reqs] request-table rows
     query_lens: np.ndarray  # [num_reqs] tokens scheduled per request
     padded_rows: np.ndarray  # [batch] rows, the padding row after the real ones
-    query_start_loc: np.ndarray  # [batch + 1] int32; padding requests own one token each
+    query_start_loc: np.ndarray  # [batch + 1] int32; decode-graph padding requests own one token each
     num_tokens: int
     max_query_len: int
     max_seq_len: int  # max_model_len for graph batches: a graph must serve any length
@@ -36,6 +36,7 @@ class StepPlan:
     # token); None: each request's last token.
     logits_indices: torch.Tensor | None = None
     graph_width: int = 1  # token slots per request of the graph (1 + drafts under speculation)
+    graph_tokens: int | None = None  # a mixed-step graph's token count (None: a decode graph, or eager)
 
     @property
     def has_drafts(self) -> bool:
@@ -51,11 +52,15 @@ class StepPlan:
 
 
 def plan_step(out: SchedulerOutput, table: RequestTable, graph_size: Callable[[int, int], tuple[int, int] | None],
-              max_model_len: int) -> StepPlan:
+              max_model_len: int,
+              mixed_graph: Callable[[int, int], tuple[int, int] | None] | None = None) -> StepPlan:
     """Batch order, rows and lengths of one step; ``graph_size(num_reqs, max_query_len)`` is the
-    CUDA graph (size, width) a batch of that many requests runs in (None: eager). A graph batch
-    is padded with the table's padding row, each padding request owning one token; a graph of
-    width ``w`` runs ``size * w`` tokens, those past the last request belonging to none."""
+    CUDA graph (size, width) a batch of that many requests runs in (None: eager), and for the
+    other batches ``mixed_graph(num_reqs, num_tokens)`` the mixed-step graph (num_tokens, size)
+    (None: eager). A graph batch is padded with the table's padding row; a padding request owns
+    one token in a decode graph and none in a mixed-step one. A graph of width ``w`` runs
+    ``size * w`` tokens, a mixed-step graph its token count, those past the last request
+    belonging to none."""
     req_ids = list(out.num_scheduled_tokens)  # batch order
     num_reqs = len(req_ids)
     rows = np.array([table.row_of[req_id] for req_id in req_ids], dtype=np.int64)
@@ -65,17 +70,24 @@ def plan_step(out: SchedulerOutput, table: RequestTable, graph_size: Callable[[i
     num_drafts = np.array([out.num_draft_tokens.get(req_id, 0) for req_id in req_ids], dtype=np.int64)
     graph = graph_size(num_reqs, max_query_len)
     size, width = graph if graph is not None else (None, 1)
+    graph_tokens = None
+    if size is None and mixed_graph is not None and max_query_len > 1:
+        graph_tokens, size = mixed_graph(num_reqs, int(query_lens.sum())) or (None, None)
     if size is not None:
         max_seq_len = max_model_len  # baked into the graph's launches: any length must fit
-        max_query_len = width
+        # Baked too: the longest query the padded step can hold (a mixed graph's tile shapes).
+        max_query_len = width if graph_tokens is None else graph_tokens - size + 1
     padded_rows = np.full(size or num_reqs, table.padding_row, dtype=np.int64)
     padded_rows[:num_reqs] = rows
     query_start_loc = np.arange(len(padded_rows) + 1, dtype=np.int32)
     np.cumsum(query_lens, out=query_start_loc[1: num_reqs + 1])
-    query_start_loc[num_reqs + 1:] += query_start_loc[num_reqs] - num_reqs
-    num_tokens = int(query_start_loc[-1]) if width == 1 else size * width
+    if graph_tokens is None:
+        query_start_loc[num_reqs + 1:] += query_start_loc[num_reqs] - num_reqs
+    else:  # a mixed step's padding requests own no token: the graph's token count is the real bound
+        query_start_loc[num_reqs + 1:] = query_start_loc[num_reqs]
+    num_tokens = graph_tokens or (int(query_start_loc[-1]) if width == 1 else size * width)
     return StepPlan(req_ids, rows, query_lens, padded_rows, query_start_loc, num_tokens,
-                    max_query_len, max_seq_len, size, num_drafts, graph_width=width)
+                    max_query_len, max_seq_len, size, num_drafts, graph_width=width, graph_tokens=graph_tokens)
 
 
 class InputBuffers:

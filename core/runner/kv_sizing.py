@@ -120,11 +120,14 @@ def _budget_bytes(runner) -> tuple[int, int]:
         state_bytes = runner.linear_state.total_bytes if runner.linear_state is not None else 0
         return runner.platform.default_kv_cache_bytes(runner.weight_bytes) - state_bytes, 0
     # Accelerators: the state is already allocated, so memory_info no longer counts it as free.
-    step_peak, decode_peak = profile_peak_bytes(runner)
+    step_peak, decode_peak, mixed_peak = profile_peak_bytes(runner)
     graph_reserve = 0
     if runner.use_graphs:
         logits_row_bytes = runner.config.model.vocab_size * runner.dtype.itemsize
-        graph_reserve = graph_pool_bytes_estimate(decode_peak, runner.capture_sizes, logits_row_bytes)
+        mixed_batches = [batch for _, batch in runner.mixed_graph_shapes]
+        peak, peak_batch = (mixed_peak, mixed_batches[0]) if mixed_peak > decode_peak else (decode_peak, None)
+        graph_reserve = graph_pool_bytes_estimate(peak, runner.capture_sizes, logits_row_bytes, mixed_batches,
+                                                  peak_batch)
     free, total = runner.platform.memory_info()
     budget = int(total * cache.gpu_memory_utilization) - (total - free) - step_peak - graph_reserve
     logger.info("memory: weights %.2f GiB, activations %.2f GiB, graphs (reserved) %.2f GiB, "

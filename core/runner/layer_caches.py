@@ -86,6 +86,13 @@ class LayerCaches:
     def supports_cuda_graphs(self) -> bool:
         return all(backend.supports_cuda_graphs for backend in self.backends.values())
 
+    @property
+    def supports_mixed_cuda_graphs(self) -> bool:
+        """Whether whole mixed steps may be captured: every backend says so, and no layer keeps a
+        per-request state (whose prefill kernels read host offsets)."""
+        return not self.state_layers and all(backend.supports_mixed_cuda_graphs
+                                             for backend in self.backends.values())
+
     def backend_of(self, spec) -> Any:
         return self.backends[spec.kind]
 

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from weir.runner.cuda_graphs import mixed_capture_lens
 from weir.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -38,9 +39,10 @@ def largest_step(num_batched_tokens: int, max_model_len: int, max_reqs: int) -> 
     return [1] * max(num_decodes, 0) + prefills
 
 
-def profile_peak_bytes(runner) -> tuple[int, int]:
-    """(peak bytes of the largest step, peak bytes of the largest decode graph batch), each
-    beyond what is allocated once the step is over."""
+def profile_peak_bytes(runner) -> tuple[int, int, int]:
+    """Peak bytes of the largest step, of the widest decode graph batch and of the largest
+    mixed-step graph shape (0 without mixed-step graphs), each beyond what is allocated once the
+    step is over."""
     scheduler = runner.config.scheduler
 
     def peak_of(fn) -> int:
@@ -61,9 +63,14 @@ def profile_peak_bytes(runner) -> tuple[int, int]:
     width = max(getattr(runner, "graph_widths", [1]))
     decode_peak = peak_of(lambda: runner.dummy_run([width] * runner.max_graph_batch, graph_mode="off",
                                                    num_draft_tokens=[width - 1] * runner.max_graph_batch))
+    mixed_peak = 0
+    mixed_shapes = getattr(runner, "mixed_graph_shapes", [])
+    if mixed_shapes:  # the largest mixed-step graph's, which may outgrow every decode one
+        query_lens = mixed_capture_lens(*mixed_shapes[0], scheduler.max_model_len)
+        mixed_peak = peak_of(lambda: runner.dummy_run(query_lens, graph_mode="off"))
     torch.cuda.empty_cache()
     if getattr(runner.config, "speculative", None) is not None:
         # A verify step samples 1 + k rows a request ([rows, vocab] buffers): it may outgrow the
         # largest prefill step, graphs or not.
         step_peak = max(step_peak, decode_peak)
-    return step_peak, decode_peak
+    return step_peak, decode_peak, mixed_peak

@@ -36,7 +36,7 @@ from weir.linear_attention import LinearAttentionMetadata
 from weir.model_interface import check_model_class
 from weir.platform import Platform
 from weir.runner.async_output import AsyncOutput
-from weir.runner.cuda_graphs import CudaGraphs, default_capture_sizes
+from weir.runner.cuda_graphs import CudaGraphs, default_capture_sizes, mixed_capture_lens, mixed_graph_shapes
 from weir.runner.input_buffers import InputBuffers, StepPlan, plan_step
 from weir.runner.inputs import gather_block_tables_and_slot_mapping, post_update, prepare_step_inputs
 from weir.runner.kv_sizing import size_kv_cache
@@ -87,7 +87,8 @@ class ModelRunner:
         self.sampler = Sampler(config.scheduler.max_num_seqs, config.model.vocab_size, self.device, self.pin_memory)
         self.use_graphs = (platform.supports_graphs and self.caches.supports_cuda_graphs
                            and (self.moe_backend is None or self.moe_backend.supports_cuda_graphs)
-                           and not config.enforce_eager and self.device.type == "cuda")
+                           and not config.enforce_eager and config.cudagraph_mode != "none"
+                           and self.device.type == "cuda")
 
         self.num_state_slots = self._allocate_state_slots()
         # A hybrid model runs at most one request per state slot: no step holds more requests.
@@ -101,6 +102,12 @@ class ModelRunner:
         if speculative is not None and not self.caches.state_layers:
             self.graph_widths.append(1 + speculative.num_speculative_tokens)
         self.capture_sizes = default_capture_sizes(self.max_running_reqs) if self.use_graphs else []
+        # Whole mixed steps in graphs too (weir.runner.cuda_graphs): dense models whose every
+        # backend allows it, without speculation (its verify steps have graphs of their own).
+        mixed = (self.use_graphs and config.cudagraph_mode == "full" and self.caches.supports_mixed_cuda_graphs
+                 and self.moe_backend is None and speculative is None)
+        self.mixed_graph_shapes = (mixed_graph_shapes(config.scheduler.max_num_batched_tokens, self.max_running_reqs)
+                                   if mixed else [])
         self.table = RequestTable(
             max_num_reqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
             max_blocks_per_req=self.max_blocks_per_req, device=self.device, pin_memory=self.pin_memory, num_block_groups=len(self.caches.groups),
@@ -204,6 +211,12 @@ class ModelRunner:
         self.graphs = CudaGraphs(self.device, self.capture_sizes)
         eager_first = not self.kernels_compiled_ahead
         with self.graphs.capturing(eager_first):
+            for num_tokens, batch in self.mixed_graph_shapes:  # the largest first, before decode's smaller ones
+                query_lens = mixed_capture_lens(num_tokens, batch, self.max_model_len)
+                # Eager first whatever was compiled ahead: a batch size not seen before may pick
+                # another specialisation of a kernel, and nothing may compile inside a capture.
+                self.dummy_run(query_lens, graph_mode="off")
+                self.dummy_run(query_lens, graph_mode="capture")
             for width in reversed(self.graph_widths):  # the widest first: smaller ones reuse its pool
                 for batch_size in reversed(self.capture_sizes):
                     query_lens, drafts = [width] * batch_size, [width - 1] * batch_size
@@ -237,9 +250,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, graph_mode: str = "auto") -> AsyncOutput | None:
-        """Run one step. ``graph_mode``: "auto" replays a captured graph for decode batches,
-        "capture" records this decode batch's forward as the graph of its size (then replays
-        it), "off" runs eagerly."""
+        """Run one step. ``graph_mode``: "auto" replays a captured graph for decode batches (and
+        mixed ones, where the model has mixed-step graphs), "capture" records this batch's
+        forward as the graph of its shape (then replays it), "off" runs eagerly."""
         self._update_states(out)
         if out.is_empty:
             return None
@@ -252,8 +265,8 @@ class ModelRunner:
             logits = self._forward(plan)
         else:
             if graph_mode == "capture":
-                self.graphs.capture(plan.graph_size, lambda: self._forward(plan), plan.graph_width)
-            logits = self.graphs.replay(plan.graph_size, plan.graph_width)
+                self.graphs.capture(plan.graph_size, lambda: self._forward(plan), plan.graph_width, plan.graph_tokens)
+            logits = self.graphs.replay(plan.graph_size, plan.graph_width, plan.graph_tokens)
             if self.spec is not None:  # the graph gave the hidden states (and what draft heads read)
                 hidden, extras = logits
                 self.last_hidden = hidden
@@ -280,7 +293,16 @@ class ModelRunner:
             size = self.graphs.padded_size(num_reqs, width)
             return None if size is None else (size, width)
 
-        return plan_step(out, self.table, graph_size, self.max_model_len)
+        def mixed_graph(num_reqs: int, num_tokens: int) -> tuple[int, int] | None:
+            if not self.mixed_graph_shapes:
+                return None
+            if graph_mode == "capture":
+                return num_tokens, num_reqs
+            if graph_mode != "auto" or self.graphs is None:
+                return None
+            return self.graphs.padded_mixed(num_reqs, num_tokens)
+
+        return plan_step(out, self.table, graph_size, self.max_model_len, mixed_graph)
 
     def _prepare_inputs(self, plan: StepPlan) -> None:
         """Every input of the step, into the persistent buffers (no host reads of the device)."""

@@ -6,8 +6,9 @@ Each forward stores this step's K/V (``weir.kernels.kv_store``: padding slots sk
   length when the batch alone would leave most SMs idle, plus a reduce kernel for the splits;
 - any other batch runs the decode kernel (splits off) for its query_len-1 requests and the varlen
   prefill kernel for the rest, which attends over cached prefix blocks and this step's tokens.
-Grids come from host ints only, so no step syncs, and a decode launch with a fixed padded
-``num_reqs`` can be captured in a CUDA graph (lengths are read from the metadata tensors).
+Grids come from host ints only, so no step syncs, and a launch with a fixed padded ``num_reqs``
+(and, for a mixed batch, ``num_tokens`` and ``max_query_len``) can be captured in a CUDA graph:
+lengths are read from the metadata tensors, and query tiles past the last request exit at once.
 A layer's window and sinks are constexpr flags of both kernels: each combination a model
 uses is one more compiled variant, and layers without them run the same code as before.
 """
@@ -70,6 +71,7 @@ class TritonAttentionBackend(AttentionBackend):
     supported_layer_kinds = frozenset({FULL_ATTENTION, SLIDING_ATTENTION})
     supports_sinks = True
     supports_cuda_graphs = True
+    supports_mixed_cuda_graphs = True  # the prefill grid is bounded by num_tokens and num_reqs alone
 
     def __init__(self, block_size: int, dtype: torch.dtype, device: torch.device):
         super().__init__(block_size, dtype, device)
