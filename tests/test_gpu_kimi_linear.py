@@ -11,8 +11,9 @@ import random
 import pytest
 import torch
 
-from engine_harness import assert_greedy_parity, assert_nothing_held, assert_steps_do_not_sync, watch_engine
+from engine_harness import assert_nothing_held, assert_steps_do_not_sync, watch_engine
 from helpers_models import make_tiny_kimi_linear
+from helpers_parity import SLACK, assert_logits_near_fp32, greedy_parity, identical_prefix, near_tie_margin
 from weir import LLM, SamplingParams
 from weir.testing import check_linear_attention_backend, transformers_greedy
 
@@ -32,51 +33,6 @@ def checkpoint(tmp_path_factory):
                             "short_conv_kernel_size": 4},
         kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
         num_local_experts=16, num_experts_per_tok=4, moe_intermediate_size=128)
-
-
-def relative_error(ours: torch.Tensor, truth: torch.Tensor) -> float:
-    truth = truth.to(ours.device)
-    return ((ours.float() - truth).abs().max() / truth.abs().max()).item()
-
-
-def identical_prefix(tokens: list[int], reference: list[int]) -> int:
-    return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
-
-
-# Greedy runs of a tiny random bf16 model part from fp32 at the first near-tie (a matched-count
-# ratio between two such runs is noise: Granite's GPU run kept 1 to 16 of 32 tokens). What a bug
-# cannot hide is a difference where fp32 prefers its token clearly, or logits farther from fp32
-# than bf16 puts them where the context is still fp32's (up to and including the first
-# difference). Both bounds are transformers' own bf16 error on the same prompts times SLACK.
-SLACK = {"float32": 3.0, "bfloat16": 6.0}  # 16-bit states round once more per step
-
-
-def shared_positions(tokens: list[int], reference: list[int]) -> int:
-    """How many leading positions saw fp32's context: through the first difference."""
-    return min(identical_prefix(tokens, reference) + 1, len(reference))
-
-
-def near_tie_margin(hf_bf16, truth, slack: float) -> float:
-    """The fp32 logit margin under which bf16 rounding may swap the top two tokens: twice (both
-    logits move) ``slack`` times transformers-bf16's largest logit error over the positions
-    whose context was fp32's."""
-    error = max((logits[:count] - reference_logits[:count]).abs().max().item()
-                for (tokens, logits), (reference, reference_logits) in zip(hf_bf16, truth)
-                for count in [shared_positions(tokens, reference)])
-    return 2 * slack * error
-
-
-def greedy_parity(token_lists: list[list[int]], truth, margin: float) -> tuple[list[int], list[str]]:
-    """``assert_greedy_parity`` against fp32 for every prompt, all reported: the tokens identical
-    per prompt, and one message per prompt that parted at a clear fp32 preference."""
-    matched, failures = [], []
-    for index, (tokens, (reference, reference_logits)) in enumerate(zip(token_lists, truth)):
-        try:
-            matched.append(assert_greedy_parity(tokens, reference, reference_logits, margin_tol=margin))
-        except AssertionError as error:
-            matched.append(identical_prefix(tokens, reference))
-            failures.append(f"prompt {index}: {error}")
-    return matched, failures
 
 
 def test_the_kda_backend_conforms():
@@ -99,7 +55,6 @@ def test_bf16_parity_through_fla(checkpoint, state_dtype):
     hf_bf16 = transformers_greedy(checkpoint, prompts, NUM_TOKENS, device="cuda", dtype="bfloat16")
     margin = near_tie_margin(hf_bf16, truth, SLACK[state_dtype])
     hf_matched = [identical_prefix(tokens, reference) for (tokens, _), (reference, _) in zip(hf_bf16, truth)]
-    hf_shared = [shared_positions(tokens, reference) for (tokens, _), (reference, _) in zip(hf_bf16, truth)]
     print(f"transformers bf16: tokens identical to fp32 per prompt {hf_matched}; near-tie margin {margin:.3g}")
     for eager in (True, False):
         mode = f"{state_dtype} states, {'eager' if eager else 'graphs'}"
@@ -120,18 +75,7 @@ def test_bf16_parity_through_fla(checkpoint, state_dtype):
                               f"{margin:.3g}): {failures}; identical tokens per prompt {matched}, "
                               f"transformers bf16's {hf_matched}")
         if eager:
-            # Positions both runs saw with fp32's context: prefill, and decodes up to the first difference.
-            counts = [min(count, shared_positions(t, reference)) for count, t, (reference, _)
-                      in zip(hf_shared, tokens, truth)]
-            weir_errors = [max(relative_error(watch.logits[o.request_id][j], reference_logits[j]) for j in range(count))
-                           for o, (_, reference_logits), count in zip(outputs, truth, counts)]
-            hf_errors = [max(relative_error(logits[j], reference_logits[j]) for j in range(count))
-                         for (_, logits), (_, reference_logits), count in zip(hf_bf16, truth, counts)]
-            bound = max(SLACK[state_dtype] * max(hf_errors), 2e-2)
-            report = (f"logits error against fp32 over the first {counts} positions per prompt: weir "
-                      f"{[f'{e:.1e}' for e in weir_errors]}, transformers bf16 {[f'{e:.1e}' for e in hf_errors]}")
-            print(report)
-            assert max(weir_errors) <= bound, f"weir bf16 ({mode}): {report}; bound {bound:.1e}"
+            assert_logits_near_fp32(watch, outputs, hf_bf16, truth, SLACK[state_dtype], mode)
         assert_nothing_held(llm)
         del llm
         torch.cuda.empty_cache()

@@ -1,0 +1,158 @@
+"""DeepSeek-V3, DeepSeek-V3.2 and GLM-5 end to end on CUDA in bf16: the Triton MLA / DSA backend
+(``triton_mla``: absorbed attention over the latent cache and, on sparse layers, the lightning
+indexer's scores and top-k over the cached indexer keys), the Triton fused MoE after grouped
+sigmoid routing, CUDA graphs and eager, against transformers in fp32 and bf16; chunked prefill
+and prefix-cache hits through sparse layers; and no implicit synchronisation in the decode loop.
+Runs on the GPU machine (marked gpu). tests/test_deepseek.py holds the fp32 CPU parity of the
+same families, tests/test_mla_triton.py the backend's kernels against an oracle."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+
+from engine_harness import assert_nothing_held, assert_steps_do_not_sync, watch_engine
+from helpers_models import make_tiny_deepseek_v3, make_tiny_deepseek_v32, make_tiny_glm_moe_dsa
+from helpers_parity import SLACK, assert_logits_near_fp32, greedy_parity, identical_prefix, near_tie_margin
+from weir import LLM, SamplingParams
+from weir.testing import transformers_greedy
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+NUM_TOKENS = 32
+PARAMS = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+MLA_SLACK = SLACK["float32"]  # no linear-attention states to round
+
+# Shapes the kernels take (triton_mla: kv_lora_rank, qk_rope_head_dim and index_head_dim powers
+# of two >= 16; 8 heads fill half of its smallest head block, the rest masked); 16 experts in 4
+# groups (2 kept), top 4. The rest is helpers_models' DeepSeek: q LoRA, a dense first layer, one
+# shared expert, a random correction bias, YaRN from 128 positions (the prompts reach 282).
+# No pad token: transformers zeroes its embedding row, and a generated pad token's zero indexer
+# query scores every key 0, a tie whose top-k is any implementation's choice.
+SHAPES = dict(hidden_size=256, intermediate_size=256, num_attention_heads=8, num_key_value_heads=8,
+              q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+              n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=128, pad_token_id=None)
+# DSA: each query keeps 16 keys of up to 282; 32 indexer heads of 32 dims (RoPE on the first 16).
+DSA = dict(index_n_heads=32, index_head_dim=32, index_topk=16)
+MAKERS = {
+    "v3": lambda path: make_tiny_deepseek_v3(path, with_tokenizer=True, **SHAPES),
+    "v3_no_q_lora": lambda path: make_tiny_deepseek_v3(  # q_proj, attention biases, rotate_half RoPE
+        path, with_tokenizer=True, **{**SHAPES, "q_lora_rank": None}, n_shared_experts=2, attention_bias=True,
+        rope_interleave=False),
+    "v32": lambda path: make_tiny_deepseek_v32(path, with_tokenizer=True, **SHAPES, **DSA),
+    "glm_moe_dsa": lambda path: make_tiny_glm_moe_dsa(path, with_tokenizer=True, **SHAPES, **DSA),
+}
+LAYER_KIND = {"v3": "mla", "v3_no_q_lora": "mla", "v32": "sparse_mla", "glm_moe_dsa": "sparse_mla"}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """``checkpoints(name)``: the tiny checkpoint of ``MAKERS[name]``, made once per module."""
+    made = {}
+
+    def checkpoint(name: str):
+        if name not in made:
+            made[name] = MAKERS[name](tmp_path_factory.mktemp(name))
+        return made[name]
+
+    return checkpoint
+
+
+def assert_runs_on_triton(llm: LLM, name: str, eager: bool) -> None:
+    """Every layer on the Triton MLA / DSA backend, the Triton MoE, CUDA graphs unless eager."""
+    runner = llm.engine.runner
+    assert runner.caches.describe_backends() == f"{LAYER_KIND[name]}=triton_mla"
+    assert runner.moe_backend.name == "triton"
+    assert (runner.graphs is not None) == (not eager)
+
+
+def free_cuda_memory() -> None:
+    gc.collect()  # watch_engine's closures hold the engine in reference cycles
+    torch.cuda.empty_cache()
+
+
+# GLM-5 shares V3.2's layers but for the indexer's RoPE: one graphs run is enough.
+PARITY_CASES = {"v3": (True, False), "v3_no_q_lora": (True, False), "v32": (True, False), "glm_moe_dsa": (False,)}
+
+
+@pytest.mark.parametrize("name", list(PARITY_CASES))
+def test_bf16_parity_through_triton_mla(checkpoints, name):
+    """Within bf16 tolerance of transformers, judged against transformers in fp32: Weir in bf16
+    (graphs and eager; GLM-5 graphs only) parts from fp32's greedy tokens only at near-ties, and
+    (eager) its logits where the context is still fp32's are about as close to fp32's as
+    transformers' bf16 ones. Prompts of 1 to 250 tokens, the longer ones chunked by a 128-token
+    step budget; on the sparse models most queries attend to 16 of their keys."""
+    path = checkpoints(name)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (1, 5, 17, 33, 64, 100, 130, 250)]
+    truth = transformers_greedy(path, prompts, NUM_TOKENS, device="cuda", dtype="float32")
+    hf_bf16 = transformers_greedy(path, prompts, NUM_TOKENS, device="cuda", dtype="bfloat16")
+    margin = near_tie_margin(hf_bf16, truth, MLA_SLACK)
+    hf_matched = [identical_prefix(tokens, reference) for (tokens, _), (reference, _) in zip(hf_bf16, truth)]
+    print(f"{name}: transformers bf16: tokens identical to fp32 per prompt {hf_matched}; near-tie margin {margin:.3g}")
+    for eager in PARITY_CASES[name]:
+        mode = f"{name}, {'eager' if eager else 'graphs'}"
+        llm = LLM(str(path), dtype="bfloat16", enforce_eager=eager, max_num_batched_tokens=128,
+                  gpu_memory_utilization=0.3, max_model_len=512)
+        assert_runs_on_triton(llm, name, eager)
+        watch = watch_engine(llm) if eager else None  # graph replays skip compute_logits
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+        tokens = [o.outputs[0].token_ids for o in outputs]
+        matched, failures = greedy_parity(tokens, truth, margin)
+        print(f"weir bf16 ({mode}): tokens identical to fp32 per prompt {matched}")
+        assert not failures, (f"weir bf16 ({mode}) parts from fp32 where fp32 is no near-tie (margin "
+                              f"{margin:.3g}): {failures}; identical tokens per prompt {matched}, "
+                              f"transformers bf16's {hf_matched}")
+        if eager:
+            assert_logits_near_fp32(watch, outputs, hf_bf16, truth, MLA_SLACK, mode)
+        assert_nothing_held(llm)
+        del llm, watch
+        free_cuda_memory()
+
+
+def test_chunked_prefill_and_prefix_hits_through_dsa(checkpoints):
+    """DeepSeek-V3.2 in 48-token chunks over 16-token blocks (each chunk's queries score and
+    attend to the indexer and latent keys of the earlier chunks from the cache), and prefix hits
+    (the second prompt shares 6 blocks with the first, the third is the first again: 12 blocks
+    hit) follow fp32's greedy tokens as a whole prefill does: parting from them only at
+    near-ties. CUDA graphs on."""
+    path = checkpoints("v32")
+    rng = random.Random(1)
+    base = [rng.randrange(256) for _ in range(200)]
+    prompts = [base, base[:96] + [rng.randrange(256) for _ in range(40)], base]
+    truth = transformers_greedy(path, prompts, NUM_TOKENS, device="cuda", dtype="float32")
+    hf_bf16 = transformers_greedy(path, prompts, NUM_TOKENS, device="cuda", dtype="bfloat16")
+    margin = near_tie_margin(hf_bf16, truth, MLA_SLACK)
+    results, cached = {}, {}
+    for run, options in {"whole": dict(enable_prefix_caching=False),
+                         "chunked": dict(max_num_batched_tokens=48, block_size=16)}.items():
+        llm = LLM(str(path), dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=512, **options)
+        assert_runs_on_triton(llm, "v32", eager=False)
+        outputs = [llm.generate([{"prompt_token_ids": p}], PARAMS, use_tqdm=False)[0] for p in prompts]
+        results[run] = [o.outputs[0].token_ids for o in outputs]
+        cached[run] = [o.num_cached_tokens for o in outputs]
+        assert_nothing_held(llm)
+        del llm
+        free_cuda_memory()
+    assert cached["chunked"] == [0, 96, 192], f"prefix hits: cached tokens {cached}"
+    parity = {run: greedy_parity(tokens, truth, margin) for run, tokens in results.items()}
+    matched = {run: counts for run, (counts, _) in parity.items()}
+    report = (f"tokens identical to fp32 per prompt: {matched}, "
+              f"transformers bf16 {[identical_prefix(t, r) for (t, _), (r, _) in zip(hf_bf16, truth)]}, chunked vs "
+              f"whole {[identical_prefix(a, b) for a, b in zip(results['chunked'], results['whole'])]}; "
+              f"cached tokens {cached}; near-tie margin {margin:.3g}")
+    print(report)
+    failures = {run: messages for run, (_, messages) in parity.items() if messages}
+    assert not failures, f"{failures}; {report}"
+
+
+@pytest.mark.parametrize("name", ["v3", "v32"])
+def test_no_implicit_sync_in_decode(checkpoints, name):
+    """Decode steps (replaying CUDA graphs; on V3.2 past index_topk, so through the indexer's
+    top-k) read nothing back on the host."""
+    assert_steps_do_not_sync(LLM(str(checkpoints(name)), dtype="bfloat16", gpu_memory_utilization=0.3,
+                                 max_model_len=512))
+    free_cuda_memory()
