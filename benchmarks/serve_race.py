@@ -6,8 +6,10 @@ Usage (Weir and vLLM installed in this Python):
         [--rates 4,16,inf] [--tokenizer DIR] [--max-model-len 4096] [--engines weir,vllm]
 For each model folder and engine: start the server (random weights, `--load-format dummy`) on a
 free port, wait for /health, send a short warm-up, then one `bench serve` run per rate (1024-token
-random prompts, 256 output tokens, --ignore-eos, fixed seed; max(200, 20 x rate) prompts, a fixed
-number at inf), then stop it. Writes OUT_DIR/<engine>-<model>-rate<R>.json (bench results),
+random prompts, 256 output tokens, --ignore-eos; max(200, 20 x rate) prompts, a fixed number at
+inf), then stop it. Each run draws prompts of its own (seed + 1 + the rate's index; the warm-up
+uses the seed), the same for both engines: no run finds an earlier run's prompts in the prefix
+cache. Writes OUT_DIR/<engine>-<model>-rate<R>.json (bench results),
 <engine>-<model>-server.log and .json (the server's log, version and command), and from all of
 those OUT_DIR/serve-race.md, serve-race.json and latest-records-serve.json (records in
 benchmarks/results/latest.json's shape: workload serve-<model>-rate<R>, ratio = Weir / vLLM).
@@ -167,11 +169,11 @@ class Server:
 
 
 def run_bench(server: Server, num_prompts: int, rate: float, output_len: int, args: argparse.Namespace,
-              log_path: Path, result_name: str | None) -> None:
+              log_path: Path, result_name: str | None, seed: int) -> None:
     command = [sys.executable, "-m", "weir.cli.main", "bench", "serve", "--base-url", server.base_url,
                "--num-prompts", str(num_prompts), "--request-rate", rate_label(rate),
                "--random-input-len", str(args.input_len), "--random-output-len", str(output_len),
-               "--ignore-eos", "--seed", str(args.seed), *shlex.split(args.bench_args)]
+               "--ignore-eos", "--seed", str(seed), *shlex.split(args.bench_args)]
     if result_name is not None:
         command += ["--save-result", "--result-dir", str(args.out_dir), "--result-filename", result_name]
         if importlib.util.find_spec("matplotlib") is None:
@@ -183,6 +185,12 @@ def run_bench(server: Server, num_prompts: int, rate: float, output_len: int, ar
     if proc.returncode != 0:
         raise RuntimeError(f"bench serve failed with {proc.returncode} (log {log_path}):\n"
                            f"{log_path.read_text()[-2000:]}")
+
+
+def run_seed(seed: int, rate_index: int) -> int:
+    """The prompts' seed of the run at the ``rate_index``-th rate: one of its own, so that no run
+    hits the prefix cache with the prompts of the warm-up or of an earlier run."""
+    return seed + 1 + rate_index
 
 
 def shown_command(command: list[str]) -> str:
@@ -215,12 +223,13 @@ def race_engine(engine: str, model: Path, rates: list[float], args: argparse.Nam
         (args.out_dir / f"{stem}-server.json").write_text(json.dumps(info, indent=2) + "\n")
         print(f"{stem}: ready in {startup:.0f} s (version {info['version']})", flush=True)
         if args.warmup_prompts:
-            run_bench(server, args.warmup_prompts, math.inf, 16, args, args.out_dir / f"{stem}-warmup.log", None)
-        for rate in rates:
+            run_bench(server, args.warmup_prompts, math.inf, 16, args, args.out_dir / f"{stem}-warmup.log", None,
+                      args.seed)
+        for index, rate in enumerate(rates):
             name = f"{stem}-rate{rate_label(rate)}"
             try:
                 run_bench(server, num_prompts_for(rate, args), rate, args.output_len, args,
-                          args.out_dir / f"{name}.log", f"{name}.json")
+                          args.out_dir / f"{name}.log", f"{name}.json", run_seed(args.seed, index))
             except (RuntimeError, subprocess.TimeoutExpired) as error:
                 failures.append(f"{name}: {error}")
                 print(f"FAILED {name}: {error}", flush=True)
@@ -335,7 +344,8 @@ def write_reports(args: argparse.Namespace, rates: list[float], failures: list[s
              "one server at a time, the same `weir bench serve` client for both.",
              f"Workload: random weights (`--load-format dummy`), max_model_len {args.max_model_len}, "
              f"{args.input_len}-token random prompts{prompt_kind}, {args.output_len} output tokens, --ignore-eos, "
-             f"seed {args.seed}, Poisson arrivals; {args.warmup_prompts} warm-up requests per server first"
+             f"seed {args.seed} (each rate's run seed + 1 + its index: no run hits the prefix cache with an earlier "
+             f"run's prompts), Poisson arrivals; {args.warmup_prompts} warm-up requests per server first"
              f"{f'; bench options `{args.bench_args}`' if args.bench_args else ''}. "
              "TTFT and TPOT as vLLM's bench defines them (TPOT excludes the first token).",
              f"Command: `{command}`", ""]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -123,6 +124,12 @@ def test_race_weir_on_the_tiny_model_against_a_fake_peer(race, tiny_llama_path, 
     for log in ("weir-tiny-server.log", "vllm-tiny-server.log", "weir-tiny-warmup.log", "vllm-tiny-rateinf.log"):
         assert (out / log).read_text().startswith("$ ")
     assert "| inf | 3 | Weir |" in (out / "serve-race.md").read_text()
+    # Each run draws prompts of its own, the same for both engines: the warm-up the seed's, the
+    # first rate's seed + 1 (an earlier run's prompts would be prefix-cache hits).
+    for engine in ("weir", "vllm"):
+        seeds = [re.search(r"--seed (\d+)", (out / f"{engine}-tiny-{run}.log").read_text()).group(1)
+                 for run in ("warmup", "rateinf")]
+        assert seeds == ["0", "1"], (engine, seeds)
     # The report's command reruns this race: every changed workload option, no machine's paths.
     for option in ("--num-prompts=3", "--input-len=6", "--output-len=4", "--warmup-prompts=1", "--bench-args=--text"):
         assert option in report["command"], report["command"]
