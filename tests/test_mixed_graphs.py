@@ -99,12 +99,23 @@ def test_plan_asks_for_a_mixed_graph_only_when_no_decode_graph_serves_the_step()
     assert asked == [31] and ungraphed_decode.graph_size is None  # decode steps never take a mixed graph
 
 
-def test_pool_estimate_counts_every_graphs_logits_but_those_in_the_peak():
+def test_pool_estimate_counts_one_shared_mixed_logits_buffer():
     mib = 2**20
-    # The peak came from the largest mixed shape's run (128 requests), or from the largest decode batch.
-    assert graph_pool_bytes_estimate(100 * mib, [1, 8], mib, [32, 32, 128], peak_batch=128) == 173 * mib
-    assert graph_pool_bytes_estimate(100 * mib, [1, 8], mib, [32, 32, 128]) == 293 * mib
+    # The peak came from the largest mixed shape's run (its logits in it), or from the largest decode batch.
+    assert graph_pool_bytes_estimate(100 * mib, [1, 8], mib, [32, 32, 128], peak_batch=128) == 109 * mib
+    assert graph_pool_bytes_estimate(100 * mib, [1, 8], mib, [32, 32, 128]) == 229 * mib
     assert graph_pool_bytes_estimate(100 * mib, [1, 8], mib) == 101 * mib
+
+
+def test_mixed_graphs_share_the_first_ones_logits():
+    graphs = CudaGraphs(torch.device("cpu"), [])
+    largest = torch.randn(8, 5)
+    assert graphs._share_mixed_output(largest) is largest
+    smaller = torch.randn(3, 5)
+    rows = graphs._share_mixed_output(smaller)
+    assert rows.data_ptr() == largest.data_ptr() and torch.equal(rows, smaller) and rows.shape == (3, 5)
+    with pytest.raises(RuntimeError, match="capture the largest batch first"):
+        graphs._share_mixed_output(torch.randn(9, 5))
 
 
 def test_cudagraph_mode_takes_vllms_names_and_refuses_others():

@@ -17,7 +17,9 @@ Mixed steps (prefill chunks beside decodes) replay a graph too when every layer 
 ``supports_mixed_cuda_graphs`` and the model is dense: such a step is padded to one of
 ``MIXED_TOKEN_SIZES`` tokens and ``MIXED_BATCH_SIZES`` requests (padding requests own no token,
 and padding tokens belong to no request), and the graph holds its whole forward and the logits of
-every request's last token. An eager mixed step launches a few hundred kernels from Python; on a
+every request's last token. Those logits go to one buffer that every mixed-step graph shares (a
+step replays one graph and samples before the next), so more shapes cost no more memory. An
+eager mixed step launches a few hundred kernels from Python; on a
 slow host that costs more than the GPU spends on a short prefill chunk and on the decodes beside
 it, and every request running meanwhile waits for it. Larger steps run eagerly: their GPU time
 hides the launches. Dense only, because a padded token's unwritten attention output is whatever
@@ -43,9 +45,10 @@ def default_capture_sizes(max_num_seqs: int, limit: int = 512) -> list[int]:
     return sorted({size for size in sizes if size <= largest} | {largest})
 
 
-# Mixed-step graphs: token counts (finer where a padded token costs more) and request counts;
-# steps with more of either run eagerly.
-MIXED_TOKEN_SIZES = (64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048)
+# Mixed-step graphs: token counts and request counts; steps with more of either run eagerly.
+# Where a step's GPU time is mostly its prefill tokens, a padded token costs as much as a real
+# one: 128-token steps keep that under an eighth past 1,024 tokens.
+MIXED_TOKEN_SIZES = (64, 128, *range(256, 2048 + 1, 128))
 MIXED_BATCH_SIZES = (32, 128)
 
 
@@ -73,11 +76,12 @@ def mixed_capture_lens(num_tokens: int, batch: int, max_model_len: int) -> list[
 def graph_pool_bytes_estimate(activation_peak_bytes: int, capture_sizes: list[int], logits_row_bytes: int,
                               mixed_batches: list[int] = (), peak_batch: int | None = None) -> int:
     """Memory the graphs' pool will hold: one set of activations for the largest step (the
-    captures reuse it, largest first: ``activation_peak_bytes`` of an eager run of it) plus every
-    graph's own logits output, which stays alive for replays ([batch, vocab] each), but for the
-    logits of the graph whose run gave the peak (``peak_batch``; default the largest decode
+    captures reuse it, largest first: ``activation_peak_bytes`` of an eager run of it) plus the
+    logits outputs that stay alive for replays ([batch, vocab] each): every decode graph's own,
+    and one shared by the mixed-step graphs (``mixed_batches``: their batch sizes), but for
+    the logits of the graph whose run gave the peak (``peak_batch``; default the largest decode
     batch): the peak holds those already."""
-    batches = [*capture_sizes, *mixed_batches]
+    batches = [*capture_sizes, *([max(mixed_batches)] if mixed_batches else [])]
     if batches:
         batches.remove(peak_batch if peak_batch is not None else max(capture_sizes or batches))
     return activation_peak_bytes + sum(_allocator_rounded(size * logits_row_bytes) for size in batches)
@@ -98,6 +102,7 @@ class CudaGraphs:
         self.graphs: dict = {}  # by size, or (size, width) for graphs of width > 1
         self._captured: dict[int, list[int]] = {}  # width -> sizes with a graph, ascending
         self._mixed: dict[int, list[int]] = {}  # mixed steps: batch size -> token counts with a graph, ascending
+        self._mixed_logits: torch.Tensor | None = None  # [largest mixed batch, vocab], every mixed graph's output
         self.logits: dict = {}  # each graph's output: logits [size, vocab], or what its forward returned
         self.pool_bytes = 0
         self._pool = None
@@ -155,7 +160,9 @@ class CudaGraphs:
                 num_tokens: int | None = None) -> None:
         """Record ``forward()`` (returning logits [batch_size, vocab], or any tensors the caller
         reads after a replay) as the graph of this size and width, or of a mixed step of
-        ``num_tokens`` tokens."""
+        ``num_tokens`` tokens. Mixed-step graphs write their logits into one shared buffer: the
+        first one captured (the largest batch, shapes go largest first) keeps its own output as
+        that buffer, the others copy theirs into its leading rows and leave theirs to the pool."""
         key = self.key(batch_size, width, num_tokens)
         graph = torch.cuda.CUDAGraph()
         main_stream = torch.cuda.current_stream(self.device)
@@ -163,7 +170,10 @@ class CudaGraphs:
         with torch.cuda.stream(self._stream):
             graph.capture_begin(pool=self._pool)
             try:
-                self.logits[key] = forward()
+                output = forward()
+                if num_tokens is not None:
+                    output = self._share_mixed_output(output)
+                self.logits[key] = output
             finally:
                 graph.capture_end()
         main_stream.wait_stream(self._stream)
@@ -172,6 +182,18 @@ class CudaGraphs:
             bisect.insort(self._captured.setdefault(width, []), batch_size)
         else:
             bisect.insort(self._mixed.setdefault(batch_size, []), num_tokens)
+
+    def _share_mixed_output(self, logits: torch.Tensor) -> torch.Tensor:
+        shared = self._mixed_logits
+        if shared is None:
+            self._mixed_logits = logits
+            return logits
+        if logits.shape[0] > shared.shape[0] or logits.shape[1:] != shared.shape[1:] or logits.dtype != shared.dtype:
+            raise RuntimeError(f"mixed-step graph logits {tuple(logits.shape)} {logits.dtype} do not fit the shared "
+                               f"buffer {tuple(shared.shape)} {shared.dtype}: capture the largest batch first")
+        rows = shared[: logits.shape[0]]
+        rows.copy_(logits)
+        return rows
 
     def replay(self, batch_size: int, width: int = 1, num_tokens: int | None = None):
         """Run the graph of this size and width (or mixed-step token count) on the input buffers'
