@@ -46,8 +46,15 @@ def _float32() -> "torch.dtype":
     return torch_dtype("float32")
 
 
-# vLLM's names (any case); Weir's full graphs are whole steps, so vLLM's piecewise modes are not offered.
+# vLLM's names (any case). Weir's graphs hold whole steps: vLLM's default full_and_piecewise (full
+# decode graphs, piecewise mixed ones) means full here, and piecewise alone is not offered.
 CUDAGRAPH_MODES = ("full", "full_decode_only", "none")
+_CUDAGRAPH_ALIASES = {"full_and_piecewise": "full"}
+
+
+def _cudagraph_mode(value: str) -> str:
+    mode = value.lower()
+    return _CUDAGRAPH_ALIASES.get(mode, mode)
 
 # "safetensors" and "gguf" as vLLM spells them: the same as "auto", checked against what is there.
 _LOAD_FORMATS = ("auto", "dummy", "safetensors", "gguf")
@@ -183,8 +190,9 @@ class EngineArgs:
     max_logprobs: int = field(default=20, metadata=_help("most top logprobs a request may ask for"))
     enforce_eager: bool = field(default=False, metadata=_help("no graphs"))
     cudagraph_mode: str = field(default="full", metadata=_help(
-        "which steps replay CUDA graphs, as vLLM's compilation_config.cudagraph_mode: full (decode steps, and "
-        "mixed prefill steps of up to 2048 tokens where every backend allows it), full_decode_only, none"))
+        "which steps replay CUDA graphs, named as vLLM's compilation_config.cudagraph_mode: full (decode steps, and "
+        "mixed prefill steps of up to 2048 tokens where every backend allows it; full_and_piecewise means the "
+        "same), full_decode_only, none"))
     speculative_config: dict | str | None = field(default=None, metadata={**_help(
         "speculative decoding as a JSON object, named as vLLM names it: method (ngram, draft_model, eagle, eagle3, "
         "mtp), num_speculative_tokens, prompt_lookup_max/min (ngram), model (draft checkpoint), "
@@ -269,7 +277,7 @@ class EngineArgs:
             parallel=ParallelConfig(self.tensor_parallel_size),
             device=self.device, attention_backend=self.attention_backend,
             moe_backend=self.moe_backend, seed=self.seed, max_logprobs=self.max_logprobs,
-            enforce_eager=self.enforce_eager, cudagraph_mode=self.cudagraph_mode.lower(),
+            enforce_eager=self.enforce_eager, cudagraph_mode=_cudagraph_mode(self.cudagraph_mode),
             speculative=speculative,
             draft_model=_draft_model_config(speculative, model_cfg, self.load_format),
             per_request_spec_decode_metrics=self.per_request_spec_decode_metrics,
@@ -313,8 +321,9 @@ class EngineArgs:
                              f"implemented yet; Weir runs a model on one device (tensor_parallel_size 1)")
         if self.load_format not in _LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(_LOAD_FORMATS)}, got {self.load_format!r}")
-        if self.cudagraph_mode.lower() not in CUDAGRAPH_MODES:
-            raise ValueError(f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, got {self.cudagraph_mode!r}")
+        if _cudagraph_mode(self.cudagraph_mode) not in CUDAGRAPH_MODES:
+            raise ValueError(f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)} (full_and_piecewise means "
+                             f"full: Weir's graphs hold whole steps), got {self.cudagraph_mode!r}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.skip_tokenizer_init:

@@ -11,22 +11,33 @@ import torch
 from helpers_models import make_tiny_qwen3
 from weir import LLM
 from weir.config import EngineArgs
-from weir.runner.cuda_graphs import (MIXED_BATCH_SIZES, MIXED_TOKEN_SIZES, CudaGraphs, graph_pool_bytes_estimate,
-                                     mixed_capture_lens, mixed_graph_shapes)
+from weir.runner.cuda_graphs import (MIXED_BATCH_SIZES, MIXED_TOKEN_SIZES, CudaGraphs, mixed_capture_lens,
+                                     mixed_graph_shapes)
 from weir.runner.input_buffers import plan_step
 from weir.scheduler.output import CachedRequestData, SchedulerOutput
 
 
 def test_shapes_hold_more_tokens_than_requests_largest_first():
-    shapes = mixed_graph_shapes(16384, 1024)
+    shapes = mixed_graph_shapes(16384, 1024, 4096)
     assert shapes[0] == (2048, 128) and shapes == sorted(shapes, reverse=True)
     assert all(tokens > batch for tokens, batch in shapes)
     assert {batch for _, batch in shapes} == set(MIXED_BATCH_SIZES)
     assert len(shapes) == 2 * len(MIXED_TOKEN_SIZES) - 2  # 64 or 128 tokens hold no mixed step of 128
     # The token budget and the running requests cap them.
-    assert mixed_graph_shapes(128, 1024) == [(128, 32), (64, 32)]
-    assert mixed_graph_shapes(300, 8) == [(256, 8), (128, 8), (64, 8)]
-    assert mixed_graph_shapes(32, 1024) == []
+    assert mixed_graph_shapes(128, 1024, 4096) == [(128, 32), (64, 32)]
+    assert mixed_graph_shapes(300, 8, 4096) == [(256, 8), (128, 8), (64, 8)]
+    assert mixed_graph_shapes(32, 1024, 4096) == []
+
+
+@pytest.mark.parametrize("max_running_reqs,max_model_len", [(1, 1024), (4, 256), (8, 128), (1024, 48), (1, 1)])
+def test_shapes_hold_no_more_tokens_than_their_requests_can(max_running_reqs, max_model_len):
+    """A short context or few sequences bound the shapes (no step has more tokens), and each one
+    can be made into a fake step to capture."""
+    shapes = mixed_graph_shapes(16384, max_running_reqs, max_model_len)
+    assert all(tokens <= batch * max_model_len for tokens, batch in shapes)
+    for num_tokens, batch in shapes:
+        lens = mixed_capture_lens(num_tokens, batch, max_model_len)
+        assert len(lens) == batch and sum(lens) == num_tokens
 
 
 @pytest.mark.parametrize("num_tokens,batch,max_len", [(64, 32, 4096), (2048, 128, 4096), (2048, 32, 256),
@@ -99,12 +110,25 @@ def test_plan_asks_for_a_mixed_graph_only_when_no_decode_graph_serves_the_step()
     assert asked == [31] and ungraphed_decode.graph_size is None  # decode steps never take a mixed graph
 
 
-def test_pool_estimate_counts_one_shared_mixed_logits_buffer():
-    mib = 2**20
-    # The peak came from the largest mixed shape's run (its logits in it), or from the largest decode batch.
-    assert graph_pool_bytes_estimate(100 * mib, [1, 8], mib, [32, 32, 128], peak_batch=128) == 109 * mib
-    assert graph_pool_bytes_estimate(100 * mib, [1, 8], mib, [32, 32, 128]) == 229 * mib
-    assert graph_pool_bytes_estimate(100 * mib, [1, 8], mib) == 101 * mib
+def test_warm_runs_plan_the_capture_s_step():
+    """The eager run before a capture takes the capture's plan (its baked longest query picks the
+    kernels' tile variants), not the step's own: here 30 decodes and two chunks of 49 tokens that
+    the capture plans as one shape holding a 97-token query."""
+    from weir.runner.model_runner import ModelRunner
+
+    class Runner:  # what ModelRunner._plan reads
+        graph_widths, mixed_graph_shapes, graphs, max_model_len = [1], [(128, 32)], None, 64
+
+        class table:
+            row_of = {f"r{i}": i for i in range(32)}
+            num_computed_host = np.zeros(33, dtype=np.int64)
+            padding_row = 32
+
+    lens = mixed_capture_lens(128, 32, 64)
+    out = step({f"r{i}": n for i, n in enumerate(lens)})
+    warm, capture, off = (ModelRunner._plan(Runner, out, mode) for mode in ("warm", "capture", "off"))
+    assert warm.graph_tokens == capture.graph_tokens == 128 and warm.max_query_len == capture.max_query_len == 97
+    assert off.graph_size is None and off.max_query_len == 49
 
 
 def test_mixed_graphs_share_the_first_ones_logits():
@@ -118,10 +142,13 @@ def test_mixed_graphs_share_the_first_ones_logits():
         graphs._share_mixed_output(torch.randn(9, 5))
 
 
-def test_cudagraph_mode_takes_vllms_names_and_refuses_others():
+def test_cudagraph_mode_takes_vllms_names_and_refuses_others(tmp_path):
     assert EngineArgs(cudagraph_mode="FULL_DECODE_ONLY")._validate() is None
-    with pytest.raises(ValueError, match="cudagraph_mode must be one of full, full_decode_only, none, got 'piecewise'"):
+    with pytest.raises(ValueError, match="cudagraph_mode must be one of full, full_decode_only, none .* got 'piecewise'"):
         EngineArgs(cudagraph_mode="piecewise")._validate()
+    path = make_tiny_qwen3(tmp_path)
+    config = EngineArgs(model=str(path), cudagraph_mode="FULL_AND_PIECEWISE", max_model_len=128).create_config()
+    assert config.cudagraph_mode == "full"  # vLLM's default: Weir's full graphs cover its piecewise ones
 
 
 def test_cudagraph_mode_reaches_the_runner(tmp_path):

@@ -52,12 +52,14 @@ MIXED_TOKEN_SIZES = (64, 128, *range(256, 2048 + 1, 128))
 MIXED_BATCH_SIZES = (32, 128)
 
 
-def mixed_graph_shapes(max_num_batched_tokens: int, max_running_reqs: int) -> list[tuple[int, int]]:
-    """(num_tokens, num_reqs) of each mixed-step graph, largest first. A mixed step has a request
-    of two tokens or more, so a shape holds more tokens than requests."""
+def mixed_graph_shapes(max_num_batched_tokens: int, max_running_reqs: int,
+                       max_model_len: int) -> list[tuple[int, int]]:
+    """(num_tokens, num_reqs) of each mixed-step graph, largest first: shapes a step can have. A
+    mixed step has a request of two tokens or more, so a shape holds more tokens than requests,
+    and at most ``max_model_len`` per request."""
     batches = sorted({min(size, max_running_reqs) for size in MIXED_BATCH_SIZES})
     tokens = [size for size in MIXED_TOKEN_SIZES if size <= max_num_batched_tokens]
-    return sorted(((t, b) for t in tokens for b in batches if t > b), reverse=True)
+    return sorted(((t, b) for t in tokens for b in batches if b < t <= b * max_model_len), reverse=True)
 
 
 def mixed_capture_lens(num_tokens: int, batch: int, max_model_len: int) -> list[int]:
@@ -73,18 +75,14 @@ def mixed_capture_lens(num_tokens: int, batch: int, max_model_len: int) -> list[
     return [1] * (batch - chunks) + [base + (1 if i < extra else 0) for i in range(chunks)]
 
 
-def graph_pool_bytes_estimate(activation_peak_bytes: int, capture_sizes: list[int], logits_row_bytes: int,
-                              mixed_batches: list[int] = (), peak_batch: int | None = None) -> int:
-    """Memory the graphs' pool will hold: one set of activations for the largest step (the
-    captures reuse it, largest first: ``activation_peak_bytes`` of an eager run of it) plus the
-    logits outputs that stay alive for replays ([batch, vocab] each): every decode graph's own,
-    and one shared by the mixed-step graphs (``mixed_batches``: their batch sizes), but for
-    the logits of the graph whose run gave the peak (``peak_batch``; default the largest decode
-    batch): the peak holds those already."""
-    batches = [*capture_sizes, *([max(mixed_batches)] if mixed_batches else [])]
-    if batches:
-        batches.remove(peak_batch if peak_batch is not None else max(capture_sizes or batches))
-    return activation_peak_bytes + sum(_allocator_rounded(size * logits_row_bytes) for size in batches)
+def graph_pool_bytes_estimate(activation_peak_bytes: int, capture_sizes: list[int], logits_row_bytes: int) -> int:
+    """Memory the graphs' pool will hold: one set of activations for the largest batch (the
+    captures reuse it, largest first: ``activation_peak_bytes`` of an eager run; with mixed-step
+    graphs, add their largest shape's run, whose blocks the decode graphs captured after them may
+    not fit in) plus every decode graph's own logits output, which stays alive for replays
+    ([size, vocab] each, beyond the largest's; the mixed-step graphs' shared one is in their peak)."""
+    extra_logits = sorted(capture_sizes)[:-1]
+    return activation_peak_bytes + sum(_allocator_rounded(size * logits_row_bytes) for size in extra_logits)
 
 
 def _allocator_rounded(num_bytes: int) -> int:

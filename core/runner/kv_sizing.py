@@ -124,10 +124,7 @@ def _budget_bytes(runner) -> tuple[int, int]:
     graph_reserve = 0
     if runner.use_graphs:
         logits_row_bytes = runner.config.model.vocab_size * runner.dtype.itemsize
-        mixed_batches = [batch for _, batch in runner.mixed_graph_shapes]
-        peak, peak_batch = (mixed_peak, mixed_batches[0]) if mixed_peak > decode_peak else (decode_peak, None)
-        graph_reserve = graph_pool_bytes_estimate(peak, runner.capture_sizes, logits_row_bytes, mixed_batches,
-                                                  peak_batch)
+        graph_reserve = graph_pool_bytes_estimate(decode_peak + mixed_peak, runner.capture_sizes, logits_row_bytes)
     free, total = runner.platform.memory_info()
     budget = int(total * cache.gpu_memory_utilization) - (total - free) - step_peak - graph_reserve
     logger.info("memory: weights %.2f GiB, activations %.2f GiB, graphs (reserved) %.2f GiB, "

@@ -54,7 +54,7 @@ from weir.weights.loader import load_model
 logger = logging.getLogger(__name__)
 GiB = 2**30
 DUMMY_REQUEST_PREFIX = "weir-dummy-"  # fake requests of dummy_run; never seen by the scheduler
-GRAPH_MODES = ("auto", "capture", "off")
+GRAPH_MODES = ("auto", "capture", "warm", "off")
 
 
 class ModelRunner:
@@ -106,8 +106,8 @@ class ModelRunner:
         # backend allows it, without speculation (its verify steps have graphs of their own).
         mixed = (self.use_graphs and config.cudagraph_mode == "full" and self.caches.supports_mixed_cuda_graphs
                  and self.moe_backend is None and speculative is None)
-        self.mixed_graph_shapes = (mixed_graph_shapes(config.scheduler.max_num_batched_tokens, self.max_running_reqs)
-                                   if mixed else [])
+        self.mixed_graph_shapes = (mixed_graph_shapes(config.scheduler.max_num_batched_tokens, self.max_running_reqs,
+                                                      self.max_model_len) if mixed else [])
         self.table = RequestTable(
             max_num_reqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
             max_blocks_per_req=self.max_blocks_per_req, device=self.device, pin_memory=self.pin_memory, num_block_groups=len(self.caches.groups),
@@ -213,15 +213,15 @@ class ModelRunner:
         with self.graphs.capturing(eager_first):
             for num_tokens, batch in self.mixed_graph_shapes:  # the largest first, before decode's smaller ones
                 query_lens = mixed_capture_lens(num_tokens, batch, self.max_model_len)
-                # Eager first whatever was compiled ahead: a batch size not seen before may pick
+                # Warm first whatever was compiled ahead: a batch size not seen before may pick
                 # another specialisation of a kernel, and nothing may compile inside a capture.
-                self.dummy_run(query_lens, graph_mode="off")
+                self.dummy_run(query_lens, graph_mode="warm")
                 self.dummy_run(query_lens, graph_mode="capture")
             for width in reversed(self.graph_widths):  # the widest first: smaller ones reuse its pool
                 for batch_size in reversed(self.capture_sizes):
                     query_lens, drafts = [width] * batch_size, [width - 1] * batch_size
                     if eager_first:  # kernels that compile or autotune on first launch do it outside the capture
-                        self.dummy_run(query_lens, graph_mode="off", num_draft_tokens=drafts)
+                        self.dummy_run(query_lens, graph_mode="warm", num_draft_tokens=drafts)
                     self.dummy_run(query_lens, graph_mode="capture", num_draft_tokens=drafts)
 
     # ---- one step ----------------------------------------------------------------------
@@ -252,7 +252,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, graph_mode: str = "auto") -> AsyncOutput | None:
         """Run one step. ``graph_mode``: "auto" replays a captured graph for decode batches (and
         mixed ones, where the model has mixed-step graphs), "capture" records this batch's
-        forward as the graph of its shape (then replays it), "off" runs eagerly."""
+        forward as the graph of its shape (then replays it), "warm" runs eagerly what "capture"
+        would record (the same plan: the same kernel variants), "off" runs eagerly."""
         self._update_states(out)
         if out.is_empty:
             return None
@@ -266,7 +267,10 @@ class ModelRunner:
         else:
             if graph_mode == "capture":
                 self.graphs.capture(plan.graph_size, lambda: self._forward(plan), plan.graph_width, plan.graph_tokens)
-            logits = self.graphs.replay(plan.graph_size, plan.graph_width, plan.graph_tokens)
+            if graph_mode == "warm":
+                logits = self._forward(plan)
+            else:
+                logits = self.graphs.replay(plan.graph_size, plan.graph_width, plan.graph_tokens)
             if self.spec is not None:  # the graph gave the hidden states (and what draft heads read)
                 hidden, extras = logits
                 self.last_hidden = hidden
@@ -286,7 +290,7 @@ class ModelRunner:
             width = next((w for w in self.graph_widths if max_query_len <= w), None)
             if width is None:
                 return None
-            if graph_mode == "capture":
+            if graph_mode in ("capture", "warm"):
                 return num_reqs, width
             if graph_mode != "auto" or self.graphs is None:
                 return None
@@ -296,7 +300,7 @@ class ModelRunner:
         def mixed_graph(num_reqs: int, num_tokens: int) -> tuple[int, int] | None:
             if not self.mixed_graph_shapes:
                 return None
-            if graph_mode == "capture":
+            if graph_mode in ("capture", "warm"):
                 return num_tokens, num_reqs
             if graph_mode != "auto" or self.graphs is None:
                 return None
