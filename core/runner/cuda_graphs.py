@@ -19,11 +19,11 @@ Mixed steps (prefill chunks beside decodes) replay a graph too when every layer 
 and padding tokens belong to no request), and the graph holds its whole forward and the logits of
 every request's last token. Those logits go to one buffer that every mixed-step graph shares (a
 step replays one graph and samples before the next), so more shapes cost no more memory. An
-eager mixed step launches a few hundred kernels from Python; on a
-slow host that costs more than the GPU spends on a short prefill chunk and on the decodes beside
-it, and every request running meanwhile waits for it. Larger steps run eagerly: their GPU time
-hides the launches. Dense only, because a padded token's unwritten attention output is whatever
-the pool held: row-wise layers keep it in its row, but a router could send it to an expert.
+eager mixed step launches a few hundred kernels from Python; on a slow host that costs more than
+the GPU spends on a short prefill chunk and on the decodes beside it, and every request running
+meanwhile waits for it. Larger steps run eagerly: their GPU time hides the launches. Dense only,
+because a padded token's unwritten attention output is whatever the pool held: row-wise layers
+keep it in its row, but a router could send it to an expert.
 """
 
 from __future__ import annotations
