@@ -219,9 +219,13 @@ def test_a_race_stopped_by_sigterm_stops_its_engine_run(tiny_model, fake_vllm, t
                             env={**os.environ, **env, "FAKE_VLLM_HANG": engine_marker}, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
+    # race.py names the model by a path relative to its working folder: match the folder's own
+    # tail, which that path and the absolute one share wherever the checkout is.
+    model_tail = f"{tiny_model.parent.name}/{tiny_model.name}"
+
     def engine_pids() -> list[int]:
         runs = [pid for pid in _processes_naming("bench_vllm.py" if engine == "vllm" else "weir.cli.main")
-                if pid in _processes_naming(str(tiny_model))]
+                if pid in _processes_naming(model_tail)]
         return runs + _processes_naming(engine_marker)
     try:
         deadline = time.monotonic() + 300
