@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from weir.cli.bench.throughput import parse_random_range
+
 HERE = Path(__file__).resolve().parent
 # vLLM options a model needs on this machine (peers.md): flashinfer is absent, so Qwen3-Next's
 # GDN prefill must use vLLM's Triton kernels; with its defaults vLLM 0.26 runs out of memory
@@ -56,21 +58,10 @@ def has_tokenizer(model: Path) -> bool:
     return (model / "tokenizer.json").is_file()
 
 
-def parse_range(text: str) -> tuple[tuple[int, int], tuple[int, int]]:
-    """``"IMIN:IMAX,OMIN:OMAX"`` -> ((IMIN, IMAX), (OMIN, OMAX)), as ``weir bench throughput`` reads it."""
-    try:
-        ranges = tuple(tuple(int(bound) for bound in part.split(":")) for part in text.split(","))
-        if len(ranges) != 2 or any(len(r) != 2 or not 1 <= r[0] <= r[1] for r in ranges):
-            raise ValueError
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"want IMIN:IMAX,OMIN:OMAX with 1 <= min <= max, got {text!r}") from None
-    return ranges  # type: ignore[return-value]
-
-
 def longctx_max_model_len(text: str) -> int:
     """The longest prompt plus the longest output, rounded up to a multiple of 256 (16,640 for
     the default 8192:16384,256:256): both engines run the long-context workload at it."""
-    (_, in_max), (_, out_max) = parse_range(text)
+    (_, in_max), (_, out_max) = parse_random_range(text)
     return -(-(in_max + out_max) // 256) * 256
 
 
@@ -227,9 +218,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--longctx-requests {args.longctx_requests}: want at least 1")
     if args.longctx_range is not None:
         try:
-            parse_range(args.longctx_range)
-        except argparse.ArgumentTypeError as error:
-            parser.error(f"--longctx-range: {error}")
+            parse_random_range(args.longctx_range)
+        except ValueError:
+            parser.error(f"--longctx-range {args.longctx_range!r}: want IMIN:IMAX,OMIN:OMAX with 1 <= min <= max")
     return args
 
 
@@ -299,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
              vllm_rates.get(size)) for size in sizes]
     if longctx:
         requests, longctx_range, _ = longctx
-        (in_min, in_max), (out_min, out_max) = parse_range(longctx_range)
+        (in_min, in_max), (out_min, out_max) = parse_random_range(longctx_range)
         outputs = f"{out_min:,}" if out_min == out_max else f"{out_min:,}-{out_max:,}"
         long_row = f"long context: {requests} requests, {in_min:,}-{in_max:,} prompt + {outputs} output tokens"
         runs.append(("", f"{name}-longctx", long_row, weir_long, vllm_long))

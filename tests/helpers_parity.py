@@ -12,9 +12,12 @@ difference). Both bounds are transformers' own bf16 error on the same prompts ti
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from engine_harness import assert_greedy_parity
+from engine_harness import assert_greedy_parity, watch_engine
+from weir.testing import transformers_greedy
 
 # By the dtype of the engine's linear-attention states: 16-bit states round once more per step.
 # Models without such states (MLA only) take the float32 entry.
@@ -74,3 +77,51 @@ def assert_logits_near_fp32(watch, outputs, hf_bf16, truth, slack: float, mode: 
               f"{[f'{e:.1e}' for e in weir_errors]}, transformers bf16 {[f'{e:.1e}' for e in hf_errors]}")
     print(report)
     assert max(weir_errors) <= bound, f"weir bf16 ({mode}): {report}; bound {bound:.1e}"
+
+
+@dataclass
+class Fp32Reference:
+    """transformers' greedy runs of a checkpoint in fp32 (``truth``) and bf16 on the GPU, and the
+    near-tie margin they give; judges the engine's bf16 runs on the same prompts."""
+
+    truth: list
+    hf_bf16: list
+    slack: float
+    margin: float
+
+    @classmethod
+    def of(cls, path, prompts: list[list[int]], num_tokens: int, slack: float) -> Fp32Reference:
+        truth = transformers_greedy(path, prompts, num_tokens, device="cuda", dtype="float32")
+        hf_bf16 = transformers_greedy(path, prompts, num_tokens, device="cuda", dtype="bfloat16")
+        return cls(truth, hf_bf16, slack, near_tie_margin(hf_bf16, truth, slack))
+
+    @property
+    def hf_matched(self) -> list[int]:
+        """transformers-bf16's tokens identical to fp32's, per prompt."""
+        return [identical_prefix(tokens, reference) for (tokens, _), (reference, _) in zip(self.hf_bf16, self.truth)]
+
+    def assert_run(self, llm, prompts: list[list[int]], params, mode: str, eager: bool):
+        """Generate ``prompts`` greedily: the tokens part from fp32's only at near-ties and (an
+        eager engine: graph replays skip compute_logits) the logits stay near fp32's. Returns
+        the outputs."""
+        watch = watch_engine(llm) if eager else None
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        matched, failures = greedy_parity([o.outputs[0].token_ids for o in outputs], self.truth, self.margin)
+        print(f"weir bf16 ({mode}): tokens identical to fp32 per prompt {matched}")
+        assert not failures, (f"weir bf16 ({mode}) parts from fp32 where fp32 is no near-tie (margin "
+                              f"{self.margin:.3g}): {failures}; identical tokens per prompt {matched}, "
+                              f"transformers bf16's {self.hf_matched}")
+        if eager:
+            assert_logits_near_fp32(watch, outputs, self.hf_bf16, self.truth, self.slack, mode)
+        return outputs
+
+    def assert_chunked_follows(self, results: dict[str, list[list[int]]], cached: dict[str, list[int]]) -> None:
+        """A "whole" and a "chunked" run's tokens (``results``) part from fp32's only at near-ties."""
+        parity = {run: greedy_parity(tokens, self.truth, self.margin) for run, tokens in results.items()}
+        matched = {run: counts for run, (counts, _) in parity.items()}
+        report = (f"tokens identical to fp32 per prompt: {matched}, transformers bf16 {self.hf_matched}, chunked vs "
+                  f"whole {[identical_prefix(a, b) for a, b in zip(results['chunked'], results['whole'])]}; "
+                  f"cached tokens {cached}; near-tie margin {self.margin:.3g}")
+        print(report)
+        failures = {run: messages for run, (_, messages) in parity.items() if messages}
+        assert not failures, f"{failures}; {report}"

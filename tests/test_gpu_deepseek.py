@@ -14,11 +14,10 @@ import random
 import pytest
 import torch
 
-from engine_harness import assert_nothing_held, assert_steps_do_not_sync, watch_engine
+from engine_harness import assert_nothing_held, assert_steps_do_not_sync
 from helpers_models import make_tiny_deepseek_v3, make_tiny_deepseek_v32, make_tiny_glm_moe_dsa
-from helpers_parity import SLACK, assert_logits_near_fp32, greedy_parity, identical_prefix, near_tie_margin
+from helpers_parity import SLACK, Fp32Reference
 from weir import LLM, SamplingParams
-from weir.testing import transformers_greedy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -70,7 +69,7 @@ def assert_runs_on_triton(llm: LLM, name: str, eager: bool) -> None:
 
 
 def free_cuda_memory() -> None:
-    gc.collect()  # watch_engine's closures hold the engine in reference cycles
+    gc.collect()  # watch_engine's closures (Fp32Reference.assert_run) hold the engine in reference cycles
     torch.cuda.empty_cache()
 
 
@@ -88,28 +87,16 @@ def test_bf16_parity_through_triton_mla(checkpoints, name):
     path = checkpoints(name)
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (1, 5, 17, 33, 64, 100, 130, 250)]
-    truth = transformers_greedy(path, prompts, NUM_TOKENS, device="cuda", dtype="float32")
-    hf_bf16 = transformers_greedy(path, prompts, NUM_TOKENS, device="cuda", dtype="bfloat16")
-    margin = near_tie_margin(hf_bf16, truth, MLA_SLACK)
-    hf_matched = [identical_prefix(tokens, reference) for (tokens, _), (reference, _) in zip(hf_bf16, truth)]
-    print(f"{name}: transformers bf16: tokens identical to fp32 per prompt {hf_matched}; near-tie margin {margin:.3g}")
+    reference = Fp32Reference.of(path, prompts, NUM_TOKENS, MLA_SLACK)
+    print(f"{name}: transformers bf16: tokens identical to fp32 per prompt {reference.hf_matched}; "
+          f"near-tie margin {reference.margin:.3g}")
     for eager in PARITY_CASES[name]:
-        mode = f"{name}, {'eager' if eager else 'graphs'}"
         llm = LLM(str(path), dtype="bfloat16", enforce_eager=eager, max_num_batched_tokens=128,
                   gpu_memory_utilization=0.3, max_model_len=512)
         assert_runs_on_triton(llm, name, eager)
-        watch = watch_engine(llm) if eager else None  # graph replays skip compute_logits
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
-        tokens = [o.outputs[0].token_ids for o in outputs]
-        matched, failures = greedy_parity(tokens, truth, margin)
-        print(f"weir bf16 ({mode}): tokens identical to fp32 per prompt {matched}")
-        assert not failures, (f"weir bf16 ({mode}) parts from fp32 where fp32 is no near-tie (margin "
-                              f"{margin:.3g}): {failures}; identical tokens per prompt {matched}, "
-                              f"transformers bf16's {hf_matched}")
-        if eager:
-            assert_logits_near_fp32(watch, outputs, hf_bf16, truth, MLA_SLACK, mode)
+        reference.assert_run(llm, prompts, PARAMS, f"{name}, {'eager' if eager else 'graphs'}", eager)
         assert_nothing_held(llm)
-        del llm, watch
+        del llm
         free_cuda_memory()
 
 
@@ -123,9 +110,7 @@ def test_chunked_prefill_and_prefix_hits_through_dsa(checkpoints):
     rng = random.Random(1)
     base = [rng.randrange(256) for _ in range(200)]
     prompts = [base, base[:96] + [rng.randrange(256) for _ in range(40)], base]
-    truth = transformers_greedy(path, prompts, NUM_TOKENS, device="cuda", dtype="float32")
-    hf_bf16 = transformers_greedy(path, prompts, NUM_TOKENS, device="cuda", dtype="bfloat16")
-    margin = near_tie_margin(hf_bf16, truth, MLA_SLACK)
+    reference = Fp32Reference.of(path, prompts, NUM_TOKENS, MLA_SLACK)
     results, cached = {}, {}
     for run, options in {"whole": dict(enable_prefix_caching=False),
                          "chunked": dict(max_num_batched_tokens=48, block_size=16)}.items():
@@ -138,15 +123,7 @@ def test_chunked_prefill_and_prefix_hits_through_dsa(checkpoints):
         del llm
         free_cuda_memory()
     assert cached["chunked"] == [0, 96, 192], f"prefix hits: cached tokens {cached}"
-    parity = {run: greedy_parity(tokens, truth, margin) for run, tokens in results.items()}
-    matched = {run: counts for run, (counts, _) in parity.items()}
-    report = (f"tokens identical to fp32 per prompt: {matched}, "
-              f"transformers bf16 {[identical_prefix(t, r) for (t, _), (r, _) in zip(hf_bf16, truth)]}, chunked vs "
-              f"whole {[identical_prefix(a, b) for a, b in zip(results['chunked'], results['whole'])]}; "
-              f"cached tokens {cached}; near-tie margin {margin:.3g}")
-    print(report)
-    failures = {run: messages for run, (_, messages) in parity.items() if messages}
-    assert not failures, f"{failures}; {report}"
+    reference.assert_chunked_follows(results, cached)
 
 
 @pytest.mark.parametrize("name", ["v3", "v32"])

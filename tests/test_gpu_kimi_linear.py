@@ -11,11 +11,11 @@ import random
 import pytest
 import torch
 
-from engine_harness import assert_nothing_held, assert_steps_do_not_sync, watch_engine
+from engine_harness import assert_nothing_held, assert_steps_do_not_sync
 from helpers_models import make_tiny_kimi_linear
-from helpers_parity import SLACK, assert_logits_near_fp32, greedy_parity, identical_prefix, near_tie_margin
+from helpers_parity import SLACK, Fp32Reference
 from weir import LLM, SamplingParams
-from weir.testing import check_linear_attention_backend, transformers_greedy
+from weir.testing import check_linear_attention_backend
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -51,11 +51,9 @@ def test_bf16_parity_through_fla(checkpoint, state_dtype):
     pytest.importorskip("fla")
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (1, 5, 17, 33, 64, 100, 130, 250)]
-    truth = transformers_greedy(checkpoint, prompts, NUM_TOKENS, device="cuda", dtype="float32")
-    hf_bf16 = transformers_greedy(checkpoint, prompts, NUM_TOKENS, device="cuda", dtype="bfloat16")
-    margin = near_tie_margin(hf_bf16, truth, SLACK[state_dtype])
-    hf_matched = [identical_prefix(tokens, reference) for (tokens, _), (reference, _) in zip(hf_bf16, truth)]
-    print(f"transformers bf16: tokens identical to fp32 per prompt {hf_matched}; near-tie margin {margin:.3g}")
+    reference = Fp32Reference.of(checkpoint, prompts, NUM_TOKENS, SLACK[state_dtype])
+    print(f"transformers bf16: tokens identical to fp32 per prompt {reference.hf_matched}; "
+          f"near-tie margin {reference.margin:.3g}")
     for eager in (True, False):
         mode = f"{state_dtype} states, {'eager' if eager else 'graphs'}"
         llm = LLM(str(checkpoint), dtype="bfloat16", enforce_eager=eager, max_num_batched_tokens=128,
@@ -66,16 +64,7 @@ def test_bf16_parity_through_fla(checkpoint, state_dtype):
         assert (runner.graphs is not None) == (not eager)
         states = [s for s in runner.caches.layer_states if s is not None]
         assert states and all(s.recurrent_state.dtype == getattr(torch, state_dtype) for s in states)
-        watch = watch_engine(llm) if eager else None  # graph replays skip compute_logits
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
-        tokens = [o.outputs[0].token_ids for o in outputs]
-        matched, failures = greedy_parity(tokens, truth, margin)
-        print(f"weir bf16 ({mode}): tokens identical to fp32 per prompt {matched}")
-        assert not failures, (f"weir bf16 ({mode}) parts from fp32 where fp32 is no near-tie (margin "
-                              f"{margin:.3g}): {failures}; identical tokens per prompt {matched}, "
-                              f"transformers bf16's {hf_matched}")
-        if eager:
-            assert_logits_near_fp32(watch, outputs, hf_bf16, truth, SLACK[state_dtype], mode)
+        reference.assert_run(llm, prompts, PARAMS, mode, eager)
         assert_nothing_held(llm)
         del llm
         torch.cuda.empty_cache()
@@ -90,9 +79,7 @@ def test_chunked_prefill_and_prefix_hits_through_fla(checkpoint):
     rng = random.Random(1)
     base = [rng.randrange(256) for _ in range(200)]
     prompts = [base, base[:96] + [rng.randrange(256) for _ in range(40)], base]
-    truth = transformers_greedy(checkpoint, prompts, NUM_TOKENS, device="cuda", dtype="float32")
-    hf_bf16 = transformers_greedy(checkpoint, prompts, NUM_TOKENS, device="cuda", dtype="bfloat16")
-    margin = near_tie_margin(hf_bf16, truth, SLACK["float32"])
+    reference = Fp32Reference.of(checkpoint, prompts, NUM_TOKENS, SLACK["float32"])
     results, cached = {}, {}
     for name, options in {"whole": dict(enable_prefix_caching=False),
                           "chunked": dict(max_num_batched_tokens=48, block_size=16)}.items():
@@ -107,15 +94,7 @@ def test_chunked_prefill_and_prefix_hits_through_fla(checkpoint):
         del llm
         torch.cuda.empty_cache()
     assert cached["chunked"][2] > 0, f"the third prompt (the first again) found no prefix: cached tokens {cached}"
-    parity = {name: greedy_parity(tokens, truth, margin) for name, tokens in results.items()}
-    matched = {name: counts for name, (counts, _) in parity.items()}
-    report = (f"tokens identical to fp32 per prompt: {matched}, "
-              f"transformers bf16 {[identical_prefix(t, r) for (t, _), (r, _) in zip(hf_bf16, truth)]}, chunked vs "
-              f"whole {[identical_prefix(a, b) for a, b in zip(results['chunked'], results['whole'])]}; "
-              f"cached tokens {cached}; near-tie margin {margin:.3g}")
-    print(report)
-    failures = {name: messages for name, (_, messages) in parity.items() if messages}
-    assert not failures, f"{failures}; {report}"
+    reference.assert_chunked_follows(results, cached)
 
 
 def test_no_implicit_sync_in_decode(checkpoint):

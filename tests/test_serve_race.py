@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from bench_fake_server import FAKE_VERSION
+from helpers_processes import HAS_PROC, assert_all_gone, processes_naming
 
 pytestmark = pytest.mark.integration  # weir serve processes
 
@@ -136,24 +137,13 @@ def test_race_weir_on_the_tiny_model_against_a_fake_peer(race, tiny_llama_path, 
     assert sys.executable not in weir_command and weir_command.startswith("python3 -m weir.cli.main serve")
 
 
-def _processes_naming(text: str) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().decode(errors="replace"):
-                pids.append(int(proc.name))
-        except OSError:  # gone meanwhile
-            pass
-    return pids
-
-
-@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads /proc (Linux)")
+@pytest.mark.skipif(not HAS_PROC, reason="reads /proc (Linux)")
 def test_a_race_stopped_by_sigterm_stops_its_server(tmp_path):
     """`timeout` around the script sends SIGTERM: the server it started must not outlive it."""
     model = _model(tmp_path, "sigterm-model")
 
     def server_pids() -> list[int]:  # the race's own command line names the model too
-        return [pid for pid in _processes_naming(str(model)) if pid in _processes_naming("bench_fake_server.py")]
+        return processes_naming(str(model), "bench_fake_server.py")
     race = subprocess.Popen(
         [sys.executable, str(ROOT / "benchmarks" / "serve_race.py"), str(tmp_path / "out"), "--model", str(model),
          "--engines", "vllm", "--vllm-command", FAKE_PEER, "--rates", "0.5", "--num-prompts", "100",
@@ -166,9 +156,6 @@ def test_a_race_stopped_by_sigterm_stops_its_server(tmp_path):
         assert server_pids()  # the fake server is up
         race.send_signal(signal.SIGTERM)
         assert race.wait(60) == 128 + signal.SIGTERM
-        deadline = time.monotonic() + 10
-        while server_pids() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not server_pids()
+        assert_all_gone(server_pids)
     finally:
         race.kill()

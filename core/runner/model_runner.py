@@ -23,7 +23,6 @@ import math
 import time
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from weir.attention import AttentionMetadata
