@@ -55,9 +55,9 @@ def run(path, params, speculative_config=None, **options):
     if graphs is not None:
         original = graphs.replay
 
-        def counted(batch_size, width=1):
+        def counted(batch_size, width=1, tokens=None):
             replays.append(width)
-            return original(batch_size, width)
+            return original(batch_size, width, tokens)
 
         graphs.replay = counted
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)

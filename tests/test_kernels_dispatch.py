@@ -85,11 +85,12 @@ def run_step_ops(device):
                                                                     num_tokens)
         tables = inputs.gather_block_tables(block_table, idx_mapping)
         slots = inputs.compute_slot_mapping(tables, qsl, positions, block_size)
+        # One cache group: the fused op takes [G, R, max_blocks] and returns [G, ...].
         fused_tables, fused_slots = inputs.gather_block_tables_and_slot_mapping(
-            block_table, idx_mapping, qsl, positions, block_size)
+            block_table[None], idx_mapping, qsl, positions, block_size)
         inputs.post_update(token_ids, num_tokens_known, num_computed, counts, idx_mapping, qsl[1:] - qsl[:-1],
                            sampled)
-        kv_store.store_kv(cache, qkv[:, 16:32].view(-1, 2, 8), qkv[:, 32:].view(-1, 2, 8), fused_slots)
+        kv_store.store_kv(cache, qkv[:, 16:32].view(-1, 2, 8), qkv[:, 32:].view(-1, 2, 8), fused_slots[0])
     finally:
         if device.type == "cuda":
             torch.cuda.set_sync_debug_mode(0)
@@ -118,6 +119,19 @@ def test_step_ops_on_cuda_never_synchronise_and_match_the_cpu(monkeypatch, disab
     # except where the kernels skip padding (slot -1) that torch writes to the null slot.
     for cuda_result, cpu_result in zip(cuda_results[:-2], cpu_results[:-2]):
         assert torch.equal(cuda_result, cpu_result)
-    real = cpu_results[7] >= 0
-    assert torch.equal(cuda_results[-2].view(2, -1, 2, 8)[:, cpu_results[7][real]],
-                       cpu_results[-2].view(2, -1, 2, 8)[:, cpu_results[7][real]])
+    real_slots = cpu_results[7][0][cpu_results[7][0] >= 0]
+    assert torch.equal(cuda_results[-2].view(2, -1, 2, 8)[:, real_slots],
+                       cpu_results[-2].view(2, -1, 2, 8)[:, real_slots])
+
+
+def test_step_ops_on_the_cpu_fuse_what_they_compute_apart():
+    """The CPU run of the same ops (what the GPU test compares against): the fused table gather
+    and slot mapping of one cache group equal the separate ops, and the KV store writes the real slots."""
+    (block_table, _, _, _, tables, slots, fused_tables, fused_slots, *_rest, cache, qkv) = run_step_ops(
+        torch.device("cpu"))
+    assert fused_tables.shape[0] == 1 and torch.equal(fused_tables[0], tables)
+    assert torch.equal(fused_slots[0], slots)
+    real = slots >= 0
+    assert real.any() and not real.all()  # the batch has padding
+    stored_k = cache.view(2, -1, 2, 8)[0, slots[real]]  # [real tokens, Hkv, D]
+    assert torch.equal(stored_k, qkv[real, 16:32].view(-1, 2, 8))
