@@ -68,6 +68,10 @@ class AttentionMetadata:
     # Host-side bounds the scheduler knows exactly; reading them needs no device sync.
     max_query_len: int
     max_seq_len: int
+    # Tokens from query_start_loc[num_reqs] to num_tokens belong to no request (the padding of a
+    # mixed-step or speculative-width graph); a backend writes zeros to their output rows, so the
+    # layers after attention (a MoE router among them) see finite values there.
+    has_unowned_tokens: bool = False
 
 
 class AttentionBackend(LayerBackend, ABC):

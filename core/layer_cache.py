@@ -63,8 +63,8 @@ class LayerBackend:
     # Mixed batches (prefills beside decodes) too, padded to a fixed ``num_tokens`` and
     # ``num_reqs``: every launch is sized by those two and ``max_query_len`` alone, padding
     # requests own no token (and read only the null block), and tokens past the last request
-    # (slot -1) are computed by no kernel and read by no request's row. Full CUDA graphs then hold whole
-    # prefill steps, not only decode ones (``weir.runner.cuda_graphs``).
+    # (slot -1, ``AttentionMetadata.has_unowned_tokens``) read no key and get zero output rows.
+    # Full CUDA graphs then hold whole prefill steps, not only decode ones (``weir.runner.cuda_graphs``).
     supports_mixed_cuda_graphs: ClassVar[bool] = False
 
     @classmethod

@@ -51,6 +51,21 @@ def watch_engine(llm: LLM) -> Watch:
     return watch
 
 
+def record_graph_replays(llm: LLM) -> list[tuple[int, int, int | None]]:
+    """Instrument ``llm``'s CUDA graphs in place; the returned list gets ``(batch size, width,
+    mixed-step token count or None)`` of every replay from then on."""
+    graphs = llm.engine.runner.graphs
+    replays: list[tuple[int, int, int | None]] = []
+    original = graphs.replay
+
+    def replay(batch_size, width=1, num_tokens=None):
+        replays.append((batch_size, width, num_tokens))
+        return original(batch_size, width, num_tokens)
+
+    graphs.replay = replay
+    return replays
+
+
 def assert_nothing_held(llm: LLM) -> None:
     """Once every request is finished or aborted, no block and no table row is held."""
     engine = llm.engine

@@ -170,6 +170,43 @@ def test_split_count_and_head_dim_checks():
         backend.kv_cache_shape(10, layer)
 
 
+def check_tokens_owned_by_no_request(device: str) -> None:
+    """A mixed step padded as its graph runs it (requests owning no token, every row a token):
+    the real tokens' rows as the reference gives them unpadded, the rest zero, because a MoE
+    router reads them next; and the zeroing kernel alone clears exactly those rows of a NaN buffer."""
+    from dataclasses import replace
+
+    from weir.plugins.attention.torch_ref import TorchAttentionBackend
+    from weir.plugins.attention.triton_paged import TritonAttentionBackend, zero_unowned_rows
+
+    dtype = torch.float32
+    case = make_case([1, 5, 3, 6], [9, 12, 3, 30], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
+                     dtype=dtype, device=device, num_padding_tokens=6)
+    real_tokens, rows, padding_reqs = case.metadata.num_tokens, case.q.shape[0], 3
+    expected = TorchAttentionBackend(4, dtype, case.q.device).forward(
+        case.layer, case.q, case.k, case.v, case.kv_cache.clone(), case.metadata)
+    m = case.metadata
+    padded = replace(
+        m, query_start_loc=torch.cat([m.query_start_loc, m.query_start_loc[-1:].repeat(padding_reqs)]),
+        seq_lens=torch.cat([m.seq_lens, m.seq_lens.new_zeros(padding_reqs)]),
+        block_tables=torch.cat([m.block_tables, m.block_tables.new_zeros(padding_reqs, m.block_tables.shape[1])]),
+        num_reqs=m.num_reqs + padding_reqs, num_tokens=rows, max_query_len=rows - m.num_reqs - padding_reqs + 1,
+        max_seq_len=64, has_unowned_tokens=True)
+    actual = TritonAttentionBackend(4, dtype, case.q.device).forward(
+        case.layer, case.q, case.k, case.v, case.kv_cache.clone(), padded)
+    torch.testing.assert_close(actual[:real_tokens], expected[:real_tokens], atol=2e-4, rtol=2e-4)
+    assert torch.all(actual[real_tokens:] == 0), "rows of tokens owned by no request must come out zero"
+    poisoned = torch.full_like(actual, float("nan"))
+    zero_unowned_rows(poisoned, padded)
+    assert torch.isnan(poisoned[:real_tokens]).all() and torch.all(poisoned[real_tokens:] == 0)
+
+
+@cuda
+@pytest.mark.gpu
+def test_tokens_owned_by_no_request_get_zero_rows_on_cuda():
+    check_tokens_owned_by_no_request("cuda")
+
+
 def interpreted_checks() -> None:
     """Tiny shapes run by the Triton interpreter (called in a subprocess with TRITON_INTERPRET=1)."""
     from weir.plugins.attention.triton_paged import TileConfig, TritonAttentionBackend
@@ -186,6 +223,7 @@ def interpreted_checks() -> None:
         backend = TritonAttentionBackend(4, dtype, torch.device("cpu"))
         backend.forced_num_splits, backend.prefill_tiles = num_splits, tiles
         check_against_reference(backend, make_case(query_lens, seq_lens, dtype=dtype, **shape))
+    check_tokens_owned_by_no_request("cpu")
 
 
 @pytest.mark.integration  # the interpreter, in a subprocess: seconds

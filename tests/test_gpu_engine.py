@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from engine_harness import assert_greedy_parity, assert_nothing_held, assert_steps_do_not_sync, hf_greedy_bf16
+from engine_harness import (assert_greedy_parity, assert_nothing_held, assert_steps_do_not_sync, hf_greedy_bf16,
+                            record_graph_replays)
 from helpers_models import make_tiny_qwen3
 from weir import LLM, SamplingParams
 
@@ -67,12 +68,9 @@ def test_mixed_steps_replay_graphs_and_follow_transformers(qwen3_path):
                   gpu_memory_utilization=0.3, max_model_len=512)
         runner = llm.engine.runner
         assert runner.mixed_graph_shapes == ([(128, 32), (64, 32)] if mode == "full" else [])
-        replays = []
-        replay = runner.graphs.replay
-        runner.graphs.replay = lambda size, width=1, num_tokens=None: replays.append(num_tokens) or replay(
-            size, width, num_tokens)
+        replays = record_graph_replays(llm)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        mixed_replays = sum(tokens is not None for tokens in replays)
+        mixed_replays = sum(tokens is not None for _, _, tokens in replays)
         assert (mixed_replays > 0) == (mode == "full"), f"{mode}: {mixed_replays} mixed-step graph replays"
         matched = [assert_greedy_parity(o.outputs[0].token_ids, *reference, margin_tol=0.25)
                    for o, reference in zip(outputs, references)]

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from engine_harness import assert_nothing_held, assert_steps_do_not_sync
+from engine_harness import assert_nothing_held, assert_steps_do_not_sync, record_graph_replays
 from helpers_models import add_made_up_mtp_weights, make_tiny_eagle, make_tiny_llama, make_tiny_qwen3_next
 from weir import LLM, SamplingParams
 
@@ -50,18 +50,9 @@ def speculative(method: str, path, tmp_path_factory) -> dict:
 def run(path, params, speculative_config=None, **options):
     llm = LLM(str(path), dtype="float32", gpu_memory_utilization=0.3, max_model_len=512, max_num_batched_tokens=128,
               speculative_config=speculative_config, **options)
-    replays = []
-    graphs = llm.engine.runner.graphs
-    if graphs is not None:
-        original = graphs.replay
-
-        def counted(batch_size, width=1, tokens=None):
-            replays.append(width)
-            return original(batch_size, width, tokens)
-
-        graphs.replay = counted
+    replays = record_graph_replays(llm) if llm.engine.runner.graphs is not None else []
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
-    return llm, outputs, replays
+    return llm, outputs, [width for _, width, _ in replays]
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3"])

@@ -92,6 +92,20 @@ def test_plan_pads_a_mixed_step_with_requests_that_own_no_token():
     # Baked into the graph's launches: the longest query the padded step holds, and any length.
     assert plan.max_query_len == 60 and plan.max_seq_len == 64
     assert plan.num_reqs == 3 and plan.query_lens.tolist() == [1, 30, 1]
+    assert plan.has_unowned_tokens  # tokens 32..63: attention zeroes their rows
+
+
+def test_only_padded_graph_steps_have_tokens_owned_by_no_request():
+    """Attention writes zeros to the rows of tokens past the last request only where a step
+    can have them: a mixed-step graph, or a speculative-width graph; a width-1 decode graph's
+    padding requests own one token each, and an eager step has only real tokens."""
+    no_graph = lambda num_reqs, max_query_len: None  # noqa: E731
+    eager = plan_step(step({"a": 1, "b": 30}), Table(), no_graph, 64, lambda num_reqs, num_tokens: None)
+    decode = plan_step(step({"a": 1, "b": 1}), Table(), lambda num_reqs, max_query_len: (4, 1), 64)
+    width = plan_step(step({"a": 3, "b": 1}), Table(), lambda num_reqs, max_query_len: (4, 3), 64)
+    mixed = plan_step(step({"a": 1, "b": 30}), Table(), no_graph, 64, lambda num_reqs, num_tokens: (64, 5))
+    assert [p.has_unowned_tokens for p in (eager, decode, width, mixed)] == [False, False, True, True]
+    assert width.num_tokens == 12 and width.query_start_loc[-1] == 6  # tokens 6..11 belong to none
 
 
 def test_plan_asks_for_a_mixed_graph_only_when_no_decode_graph_serves_the_step():

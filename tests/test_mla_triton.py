@@ -20,7 +20,7 @@ no-sync check.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
@@ -346,9 +346,44 @@ def check_sixteen_bit(device: str) -> None:
             check_backend(mla_backend(dtype, device, 4), case)
 
 
+def padded_as_a_mixed_graph(case: MLACase, num_padding_reqs: int, max_seq_len: int) -> MLACase:
+    """The step as a mixed-step graph runs it: ``num_padding_reqs`` requests owning no token
+    (seq_len 0), every row a token, those past the last request's owned
+    by none, and the graph's baked bounds (the longest query the shape holds, ``max_seq_len``)."""
+    m = case.metadata
+    rows, num_reqs = case.q_nope.shape[0], m.num_reqs + num_padding_reqs
+    device = m.query_start_loc.device
+    metadata = AttentionMetadata(
+        query_start_loc=torch.cat([m.query_start_loc, m.query_start_loc[-1:].repeat(num_padding_reqs)]),
+        seq_lens=torch.cat([m.seq_lens, torch.zeros(num_padding_reqs, dtype=torch.int32, device=device)]),
+        # Their rows name a never-owned block (NaN): a token owned by none must read no key.
+        block_tables=torch.cat([m.block_tables, m.block_tables[:1, -1:].expand(num_padding_reqs, m.block_tables.shape[1])]),
+        slot_mapping=m.slot_mapping, num_reqs=num_reqs, num_tokens=rows, max_query_len=rows - num_reqs + 1,
+        max_seq_len=max_seq_len, has_unowned_tokens=True)
+    return replace(case, metadata=metadata, padding_reqs=case.padding_reqs | set(range(m.num_reqs, num_reqs)))
+
+
+def check_tokens_owned_by_no_request(device: str) -> None:
+    """A mixed step padded as its graph runs it, dense and sparse: the real requests' rows as
+    unpadded, the rows of tokens past the last request zero (a MoE router reads them next), and
+    their top-k lists empty. The cache's NaN rows show any key such a token would read."""
+    for layer in (mla_layer(TINY), mla_layer(TINY, TINY_INDEXER)):
+        query_lens, seq_lens = SPARSE_BATCHES["mixed"]
+        case = make_mla_case(query_lens, seq_lens, layer, block_size=4, dtype=torch.float32, device=device,
+                             num_padding_tokens=5, max_blocks_per_req=12)
+        padded = padded_as_a_mixed_graph(case, num_padding_reqs=3, max_seq_len=48)
+        backend = mla_backend(torch.float32, device, 4)
+        out = check_backend(backend, padded)
+        real_tokens = sum(query_lens)
+        assert torch.all(out[real_tokens:] == 0), "rows of tokens owned by no request must come out zero"
+        if layer.index_topk:
+            topk = backend.indexer_topk(layer, padded.indexer, padded.kv_cache.clone(), padded.metadata)
+            assert torch.all(topk[real_tokens:] == -1)
+
+
 CHECKS = [check_dense_batch_kinds, check_decode_split_k_and_padding_requests, check_heads_past_one_block,
           check_sparse_batch_kinds, check_sparse_decode_splits_and_padding, check_sparse_ties_and_short_sequences,
-          check_sixteen_bit]
+          check_sixteen_bit, check_tokens_owned_by_no_request]
 
 test_kernels_interpreted_on_cpu, test_kernels_on_cuda = kernel_check_tests("test_mla_triton", CHECKS)
 

@@ -14,16 +14,17 @@ models, only the padding state slot). Capture goes through the runner's own step
 share; the pool's size is measured, not guessed.
 
 Mixed steps (prefill chunks beside decodes) replay a graph too when every layer backend declares
-``supports_mixed_cuda_graphs`` and the model is dense: such a step is padded to one of
-``MIXED_TOKEN_SIZES`` tokens and ``MIXED_BATCH_SIZES`` requests (padding requests own no token,
-and padding tokens belong to no request), and the graph holds its whole forward and the logits of
-every request's last token. Those logits go to one buffer that every mixed-step graph shares (a
-step replays one graph and samples before the next), so more shapes cost no more memory. An
-eager mixed step launches a few hundred kernels from Python; on a slow host that costs more than
-the GPU spends on a short prefill chunk and on the decodes beside it, and every request running
-meanwhile waits for it. Larger steps run eagerly: their GPU time hides the launches. Dense only,
-because a padded token's unwritten attention output is whatever the pool held: row-wise layers
-keep it in its row, but a router could send it to an expert.
+``supports_mixed_cuda_graphs`` and no layer keeps a per-request state: such a step is padded to
+one of ``MIXED_TOKEN_SIZES`` tokens and ``MIXED_BATCH_SIZES`` requests (padding requests own no
+token, and padding tokens belong to no request), and the graph holds its whole forward and the
+logits of every request's last token. Those logits go to one buffer that every mixed-step graph
+shares (a step replays one graph and samples before the next), so more shapes cost no more
+memory. An eager mixed step launches a few hundred kernels from Python; on a slow host that costs
+more than the GPU spends on a short prefill chunk and on the decodes beside it, and every request
+running meanwhile waits for it. Larger steps run eagerly: their GPU time hides the launches.
+Attention writes zeros to the padding tokens' rows (``AttentionMetadata.has_unowned_tokens``):
+every later op is row-wise, so they stay finite, and a MoE router sends them to real experts
+(wasted work, bounded by the token sizes' spacing) rather than to garbage indices.
 """
 
 from __future__ import annotations

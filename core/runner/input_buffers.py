@@ -47,6 +47,12 @@ class StepPlan:
         return len(self.req_ids)
 
     @property
+    def has_unowned_tokens(self) -> bool:
+        """Whether tokens past the last request may belong to none: a mixed-step graph's
+        padding, or a speculative-width graph's slots past its last request."""
+        return self.graph_size is not None and (self.graph_tokens is not None or self.graph_width > 1)
+
+    @property
     def batch(self) -> int:
         return len(self.padded_rows)
 

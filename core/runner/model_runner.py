@@ -101,10 +101,10 @@ class ModelRunner:
         if speculative is not None and not self.caches.state_layers:
             self.graph_widths.append(1 + speculative.num_speculative_tokens)
         self.capture_sizes = default_capture_sizes(self.max_running_reqs) if self.use_graphs else []
-        # Whole mixed steps in graphs too (weir.runner.cuda_graphs): dense models whose every
-        # backend allows it, without speculation (its verify steps have graphs of their own).
+        # Whole mixed steps in graphs too (weir.runner.cuda_graphs) where every backend allows it,
+        # without speculation (its verify steps have graphs of their own).
         mixed = (self.use_graphs and config.cudagraph_mode == "full" and self.caches.supports_mixed_cuda_graphs
-                 and self.moe_backend is None and speculative is None)
+                 and speculative is None)
         self.mixed_graph_shapes = (mixed_graph_shapes(config.scheduler.max_num_batched_tokens, self.max_running_reqs,
                                                       self.max_model_len) if mixed else [])
         self.table = RequestTable(
@@ -336,7 +336,7 @@ class ModelRunner:
                 query_start_loc=query_start_loc, seq_lens=buffers.seq_lens[:batch],
                 block_tables=buffers.block_tables[g, :batch], slot_mapping=buffers.slot_mappings[g, :num_tokens],
                 num_reqs=batch, num_tokens=num_tokens, max_query_len=plan.max_query_len,
-                max_seq_len=plan.max_seq_len)
+                max_seq_len=plan.max_seq_len, has_unowned_tokens=plan.has_unowned_tokens)
             for g in range(len(self.caches.groups))]
         linear_metadata = None
         if buffers.state_indices is not None:

@@ -94,6 +94,9 @@ class TritonMLABackend(MLABackend):
     supported_devices = frozenset({"cuda"})
     supported_layer_kinds = frozenset({MLA, SPARSE_MLA})
     supports_cuda_graphs = True
+    # Every grid is sized by num_tokens (and host bounds); tokens owned by no request get
+    # position -1 in every kernel: no key, a zero output row, no indexer score.
+    supports_mixed_cuda_graphs = True
 
     def __init__(self, block_size: int, dtype: torch.dtype, device: torch.device):
         super().__init__(block_size, dtype, device)

@@ -42,12 +42,15 @@ def request_of_token(query_start_loc_ptr, token, num_reqs):
 
 @triton.jit
 def token_position(query_start_loc_ptr, seq_lens_ptr, token, num_reqs):
-    """``(request, position)`` of a query token: its position counts the request's cached prefix."""
+    """``(request, position)`` of a query token: its position counts the request's cached prefix.
+    A token past the last request's (a padded graph step's, owned by none) gets position -1: it
+    sees no key, and its output row comes out zero."""
     req = request_of_token(query_start_loc_ptr, token, num_reqs)
     q_begin = tl.load(query_start_loc_ptr + req)
     query_len = tl.load(query_start_loc_ptr + req + 1) - q_begin
     seq_len = tl.load(seq_lens_ptr + req)
-    return req, seq_len - query_len + (token - q_begin)
+    owned = token < tl.load(query_start_loc_ptr + num_reqs)
+    return req, tl.where(owned, seq_len - query_len + (token - q_begin), -1)
 
 
 @triton.jit

@@ -25,7 +25,7 @@ from weir.attention import (FULL_ATTENTION, SLIDING_ATTENTION, AttentionBackend,
 from weir.kernels.kv_store import store_kv
 from weir.plugins.attention.torch_ref import check_sinks
 from weir.plugins.attention.triton_paged_decode import decode_kernel, decode_reduce_kernel
-from weir.plugins.attention.triton_paged_kernels import LOG2_E, prefill_kernel
+from weir.plugins.attention.triton_paged_kernels import LOG2_E, prefill_kernel, zero_unowned_rows_kernel
 
 # A split below this many keys costs more in partial writes and merging than it saves.
 MIN_KEYS_PER_SPLIT = 256
@@ -178,6 +178,8 @@ class TritonAttentionBackend(AttentionBackend):
             )
         if metadata.max_query_len > 1:
             self._prefill(layer, q, kv_cache, out, metadata, group, qk_scale, precision, cache_strides, flags)
+        if metadata.has_unowned_tokens:
+            zero_unowned_rows(out, metadata)
         return out
 
     def _prefill(self, layer, q, kv_cache, out, metadata, group, qk_scale, precision, cache_strides, flags):
@@ -217,6 +219,17 @@ class LayerFlags:
         window = layer.sliding_window
         return cls(sliding=window is not None, window=window or 0, has_sinks=sinks is not None,
                    sinks=sinks if sinks is not None else placeholder)
+
+
+def zero_unowned_rows(out: torch.Tensor, metadata: AttentionMetadata) -> None:
+    """Zero ``out``'s rows [num_tokens, ...] of the tokens that belong to no request."""
+    rows = out.view(out.shape[0], -1)  # [num_tokens, num_heads * head_dim]
+    block_t = 16
+    zero_unowned_rows_kernel[(triton.cdiv(metadata.num_tokens, block_t),)](
+        rows, metadata.query_start_loc, metadata.num_reqs, metadata.num_tokens, rows.stride(0),
+        ROW_ELEMS=rows.shape[1], BLOCK_T=block_t, BLOCK_C=min(1024, triton.next_power_of_2(rows.shape[1])),
+        num_warps=4,
+    )
 
 
 def keys_read(layer: AttentionLayerSpec, max_seq_len: int) -> int:

@@ -198,3 +198,21 @@ def prefill_kernel(
     out = acc / l_safe[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_tokens"])
+def zero_unowned_rows_kernel(out_ptr, query_start_loc_ptr, num_reqs, num_tokens, stride_t,
+                             ROW_ELEMS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Zero the rows of ``out`` [num_tokens, ROW_ELEMS] (unit stride within a row) from token
+    ``query_start_loc[num_reqs]`` on: the tokens of a padded graph step that belong to no
+    request, which no attention kernel writes. Programs over owned rows only read the bound."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    first_unowned = tl.load(query_start_loc_ptr + num_reqs)
+    unowned = (rows >= first_unowned) & (rows < num_tokens)
+    if tl.max(unowned.to(tl.int32), axis=0) == 0:
+        return
+    base = out_ptr + rows[:, None].to(tl.int64) * stride_t
+    for start in range(0, ROW_ELEMS, BLOCK_C):
+        cols = start + tl.arange(0, BLOCK_C)
+        tl.store(base + cols[None, :], tl.zeros([BLOCK_T, BLOCK_C], out_ptr.dtype.element_ty),
+                 mask=unowned[:, None] & (cols[None, :] < ROW_ELEMS))
