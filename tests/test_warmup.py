@@ -159,3 +159,28 @@ def test_graph_pool_estimate_counts_each_smaller_graphs_logits_as_the_allocator_
     assert graph_pool_bytes_estimate(100 * mib, [1, 3, 8], mib) == 100 * mib + mib + 4 * mib
     assert graph_pool_bytes_estimate(7, [16], mib) == 7
     assert graph_pool_bytes_estimate(0, [], mib) == 0
+
+
+def test_verify_warmups_run_the_verify_graphs_plan_where_graphs_are_on(tiny_llama_path):
+    """Under speculation the warm-up's verify steps take the graphs' own plan ("warm"), which
+    zeroes the rows of tokens past the last request: that kernel then loads before any capture,
+    not inside one. Without graphs they run eagerly ("off")."""
+    from weir.runner.warmup import warmup_tasks
+
+    llm = LLM(str(tiny_llama_path), device="cpu", dtype="float32",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
+    runner = llm.engine.runner
+
+    def verify_modes():
+        return {args[3] for _, args in warmup_tasks(runner) if len(args) > 4}
+
+    assert verify_modes() == {"off"}
+    runner.use_graphs = True
+    try:
+        assert verify_modes() == {"warm"}
+        for fn, args in warmup_tasks(runner):  # the graph plan's eager run works on any device
+            if len(args) > 4:
+                fn(*args)
+        assert runner.table.row_of == {}
+    finally:
+        runner.use_graphs = False

@@ -60,14 +60,17 @@ def profile_peak_bytes(runner) -> tuple[int, int, int]:
     logger.info("profiling run: %d requests, %d tokens, %.1f s", len(query_lens), sum(query_lens),
                 time.perf_counter() - start)
     # The widest decode graph family: one token per request, or 1 + drafts under speculation.
+    # With graphs, on the capture's own plan ("warm"): its baked bounds (max_seq_len =
+    # max_model_len) size buffers that the step's own would not, such as DSA's indexer scores.
     width = max(getattr(runner, "graph_widths", [1]))
-    decode_peak = peak_of(lambda: runner.dummy_run([width] * runner.max_graph_batch, graph_mode="off",
+    graph_mode = "warm" if getattr(runner, "use_graphs", False) else "off"
+    decode_peak = peak_of(lambda: runner.dummy_run([width] * runner.max_graph_batch, graph_mode=graph_mode,
                                                    num_draft_tokens=[width - 1] * runner.max_graph_batch))
     mixed_peak = 0
     mixed_shapes = getattr(runner, "mixed_graph_shapes", [])
     if mixed_shapes:  # the largest mixed-step graph's, which may outgrow every decode one
         query_lens = mixed_capture_lens(*mixed_shapes[0], scheduler.max_model_len)
-        mixed_peak = peak_of(lambda: runner.dummy_run(query_lens, graph_mode="off"))
+        mixed_peak = peak_of(lambda: runner.dummy_run(query_lens, graph_mode="warm"))
     torch.cuda.empty_cache()
     if getattr(runner.config, "speculative", None) is not None:
         # A verify step samples 1 + k rows a request ([rows, vocab] buffers): it may outgrow the

@@ -62,7 +62,8 @@ class DraftCaches:
             metadata.append(AttentionMetadata(
                 query_start_loc=qsl, seq_lens=seq_lens.clamp_max(runner.max_model_len).int(), block_tables=tables[g],
                 slot_mapping=slots[g], num_reqs=rows.shape[0], num_tokens=positions.shape[0],
-                max_query_len=max_query_len, max_seq_len=max_seq_len))
+                max_query_len=max_query_len, max_seq_len=max_seq_len,
+                has_unowned_tokens=positions.shape[0] > int(query_start_loc[-1])))
         return self.caches.forward_context(metadata, None, runner.moe_backend)
 
 

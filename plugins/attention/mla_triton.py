@@ -22,8 +22,9 @@ Each forward stores this step's latent, rope key (and indexer key) rows into the
   (``mla_triton_indexer``), and the attention kernel over only the selected latent rows.
   While ``max_seq_len <= index_topk`` every key is selected, so the dense path runs.
 
-Grids come from host ints only and lengths are read from the metadata tensors, so no step syncs
-and a decode launch with a fixed padded batch can be captured in a CUDA graph.
+Grids come from host ints only and lengths are read from the metadata tensors, so no step syncs,
+and decode batches and mixed steps padded to fixed shapes can be captured in CUDA graphs (every
+kernel gives tokens owned by no request no key and a zero output row).
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ Head blocks of one token are adjacent program ids, so the second reads the tile 
 
 Softmax runs in base 2 (``qk_scale`` holds ``log2(e)``) with fp32 statistics, as the paged
 kernels do (``triton_paged_kernels``). Every length comes from device tensors and every grid
-from host ints, so a decode launch can be captured in a CUDA graph.
+from host ints, so decode batches and mixed steps padded to fixed shapes can be captured in CUDA
+graphs; a padded step's tokens past the last request have position -1 (``token_position``).
 """
 
 from __future__ import annotations
