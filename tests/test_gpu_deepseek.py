@@ -1,7 +1,8 @@
 """DeepSeek-V3, DeepSeek-V3.2 and GLM-5 end to end on CUDA in bf16: the Triton MLA / DSA backend
 (``triton_mla``: absorbed attention over the latent cache and, on sparse layers, the lightning
 indexer's scores and top-k over the cached indexer keys), the Triton fused MoE after grouped
-sigmoid routing, CUDA graphs (mixed steps too) and eager, against transformers in fp32 and bf16; chunked prefill
+sigmoid routing, CUDA graphs (mixed steps too) and eager, against transformers in fp32 and bf16
+(and Weir in fp32 against transformers in fp32, the sharp check); chunked prefill
 and prefix-cache hits through sparse layers; and no implicit synchronisation in the decode loop.
 Runs on the GPU machine (marked gpu). tests/test_deepseek.py holds the fp32 CPU parity of the
 same families, tests/test_mla_triton.py the backend's kernels against an oracle."""
@@ -16,8 +17,9 @@ import torch
 
 from engine_harness import assert_nothing_held, assert_steps_do_not_sync, record_graph_replays
 from helpers_models import make_tiny_deepseek_v3, make_tiny_deepseek_v32, make_tiny_glm_moe_dsa
-from helpers_parity import SLACK, Fp32Reference
+from helpers_parity import SLACK, Fp32Reference, assert_fp32_run
 from weir import LLM, SamplingParams
+from weir.testing import transformers_greedy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -98,6 +100,28 @@ def test_bf16_parity_through_triton_mla(checkpoints, name):
         reference.assert_run(llm, prompts, PARAMS, f"{name}, {'eager' if eager else 'graphs'}", eager)
         # The chunked prompts prefill beside decodes in mixed-step graphs: MLA (DSA's indexer
         # too) and the MoE over padding tokens that belong to no request.
+        assert eager or any(tokens is not None for _, _, tokens in replays), "no mixed-step graph replayed"
+        assert_nothing_held(llm)
+        del llm
+        free_cuda_memory()
+
+
+@pytest.mark.parametrize("name", ["v3", "v32"])
+def test_fp32_follows_transformers_fp32_with_mixed_step_graphs(checkpoints, name):
+    """In fp32 (exact dots in the MLA, DSA and MoE kernels) Weir parts from transformers fp32 only
+    at near-exact ties, with CUDA graphs (the chunked prompts' mixed steps replayed: MLA, the
+    indexer and the MoE over padding tokens owned by no request) and eagerly. Sharper than the
+    bf16 parity above, whose near-tie margin exceeds every logit gap of these tiny models."""
+    path = checkpoints(name)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (1, 5, 17, 33, 64, 100, 130, 250)]
+    truth = transformers_greedy(path, prompts, NUM_TOKENS, device="cuda", dtype="float32")
+    for eager in (False, True):
+        llm = LLM(str(path), dtype="float32", enforce_eager=eager, max_num_batched_tokens=128,
+                  gpu_memory_utilization=0.3, max_model_len=512)
+        assert_runs_on_triton(llm, name, eager)
+        replays = record_graph_replays(llm) if not eager else []
+        assert_fp32_run(llm, prompts, PARAMS, truth, f"{name}, {'eager' if eager else 'graphs'}")
         assert eager or any(tokens is not None for _, _, tokens in replays), "no mixed-step graph replayed"
         assert_nothing_held(llm)
         del llm
