@@ -26,11 +26,7 @@ import time
 import torch
 
 from weir import LLM, SamplingParams
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * fraction))]
+from weir.cli.bench.common import percentiles
 
 
 def run_variant(model: str, options: dict, prompts: list[list[int]], arrivals: list[float], output_len: int,
@@ -87,7 +83,7 @@ def run_variant(model: str, options: dict, prompts: list[list[int]], arrivals: l
     values = list(ttft.values())
     result = {"options": options, "output_tokens_per_second": len(prompts) * output_len / wall,
               "mean_ttft_ms": statistics.mean(values), "median_ttft_ms": statistics.median(values),
-              "p99_ttft_ms": percentile(values, 0.99), "steps": len(steps), "mixed_steps": len(mixed),
+              "p99_ttft_ms": percentiles(values, (99,))["p99"], "steps": len(steps), "mixed_steps": len(mixed),
               "mixed_graph_replays": mixed_replays[0],
               "mixed_host_ms": statistics.mean(mixed) if mixed else None,
               "decode_host_ms": statistics.mean(decode) if decode else None}

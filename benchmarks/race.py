@@ -285,20 +285,19 @@ def main(argv: list[str] | None = None) -> None:
     # The peer is named by the version that ran, not by the one this script was written against.
     peer_name = None if args.skip_vllm else f"vllm-{info['vllm'] or 'unknown'}"
     records, rows = [], []
-    # (label, workload, row's name, Weir's result, vLLM's rate)
-    runs = [("", f"{name}-nano" if size == 256 else f"{name}-{size}", f"{size} requests", weir[size],
-             vllm_rates.get(size)) for size in sizes]
+    results = {**{("", size): weir[size] for size in sizes}, **variant_runs}  # (label, size or "longctx")
     if longctx:
+        results["", "longctx"] = weir_long
         requests, longctx_range, _ = longctx
         (in_min, in_max), (out_min, out_max) = parse_random_range(longctx_range)
         outputs = f"{out_min:,}" if out_min == out_max else f"{out_min:,}-{out_max:,}"
         long_row = f"long context: {requests} requests, {in_min:,}-{in_max:,} prompt + {outputs} output tokens"
-        runs.append(("", f"{name}-longctx", long_row, weir_long, vllm_long))
-    for label, _ in variants:
+    runs = []  # (label, workload, row's name, Weir's result, vLLM's rate)
+    for label in ["", *(label for label, _ in variants)]:
         runs += [(label, f"{name}-nano" if size == 256 else f"{name}-{size}", f"{size} requests",
-                  variant_runs[label, size], vllm_rates.get(size)) for size in sizes]
+                  results[label, size], vllm_rates.get(size)) for size in sizes]
         if longctx:
-            runs.append((label, f"{name}-longctx", long_row, variant_runs[label, "longctx"], vllm_long))
+            runs.append((label, f"{name}-longctx", long_row, results[label, "longctx"], vllm_long))
     for label, workload, row, result, peer in runs:
         ours = result["output_tokens_per_second"]
         records.append({"workload": workload + (f"-{label}" if label else ""), "metric": "output_tokens_per_second",

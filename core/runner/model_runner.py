@@ -285,25 +285,25 @@ class ModelRunner:
         if graph_mode not in GRAPH_MODES:
             raise ValueError(f"graph_mode must be one of {GRAPH_MODES}, got {graph_mode!r}")
 
+        def graph_for(exact, padded):
+            """Capture and warm runs plan the step's own shape; "auto" the captured graph holding it."""
+            if graph_mode in ("capture", "warm"):
+                return exact
+            if graph_mode != "auto" or self.graphs is None:
+                return None
+            return padded()
+
         def graph_size(num_reqs: int, max_query_len: int) -> tuple[int, int] | None:
             width = next((w for w in self.graph_widths if max_query_len <= w), None)
             if width is None:
                 return None
-            if graph_mode in ("capture", "warm"):
-                return num_reqs, width
-            if graph_mode != "auto" or self.graphs is None:
-                return None
-            size = self.graphs.padded_size(num_reqs, width)
+            size = graph_for(num_reqs, lambda: self.graphs.padded_size(num_reqs, width))
             return None if size is None else (size, width)
 
         def mixed_graph(num_reqs: int, num_tokens: int) -> tuple[int, int] | None:
             if not self.mixed_graph_shapes:
                 return None
-            if graph_mode in ("capture", "warm"):
-                return num_tokens, num_reqs
-            if graph_mode != "auto" or self.graphs is None:
-                return None
-            return self.graphs.padded_mixed(num_reqs, num_tokens)
+            return graph_for((num_tokens, num_reqs), lambda: self.graphs.padded_mixed(num_reqs, num_tokens))
 
         return plan_step(out, self.table, graph_size, self.max_model_len, mixed_graph)
 
