@@ -13,6 +13,7 @@ import argparse
 import collections
 import logging
 import time
+from pathlib import Path
 
 import torch
 
@@ -133,6 +134,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)8.0f ms %(name)s: %(message)s")
     start = time.perf_counter()
     options = {"linear_state_dtype": args.linear_state_dtype} if args.linear_state_dtype else {}
+    if not (Path(args.model) / "tokenizer.json").is_file():  # DeepSeek and Kimi folders ship none
+        options["skip_tokenizer_init"] = True
     llm = LLM(args.model, load_format="dummy", max_model_len=4096, seed=0, **options)
     print(f"STARTUP {time.perf_counter() - start:.1f} s")
     logging.getLogger().setLevel(logging.WARNING)
