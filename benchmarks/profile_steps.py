@@ -20,6 +20,8 @@ import torch
 from weir import LLM, SamplingParams
 from weir.cli.bench.throughput import random_workload
 
+from benchmarks.race import has_tokenizer
+
 # Decode batch-size buckets (lowest batch size, label); benchmarks/roofline_next.py uses the same.
 BUCKETS = ((192, "decode 192+"), (128, "decode 128-191"), (64, "decode 64-127"), (16, "decode 16-63"),
            (1, "decode 1-15"))
@@ -134,7 +136,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)8.0f ms %(name)s: %(message)s")
     start = time.perf_counter()
     options = {"linear_state_dtype": args.linear_state_dtype} if args.linear_state_dtype else {}
-    if not (Path(args.model) / "tokenizer.json").is_file():  # DeepSeek and Kimi folders ship none
+    if not has_tokenizer(Path(args.model)):
         options["skip_tokenizer_init"] = True
     llm = LLM(args.model, load_format="dummy", max_model_len=4096, seed=0, **options)
     print(f"STARTUP {time.perf_counter() - start:.1f} s")
