@@ -5,6 +5,8 @@ mixed vs pure decode) and decode batch size, then a torch-profiler table of a st
     python3 -m benchmarks.profile_steps benchmarks/models/qwen3-8b --num-prompts 0 --profile-batch 1 --top 30
     python3 -m benchmarks.profile_steps benchmarks/models/qwen3-next-24l --num-prompts 0 --profile-batch "" \
         --profile-prefill 16x1024   # one prefill step of 16 prompts of 1024 tokens
+    python3 -m benchmarks.profile_steps benchmarks/models/deepseek-v32-7l --num-prompts 0 --profile-batch "" \
+        --expert-spread 256         # how the random weights' router spreads tokens over the experts
 """
 
 from __future__ import annotations
@@ -100,7 +102,9 @@ def profile_prefill(llm, shape: str, top: int) -> None:
     for warm_up in (True, False):
         ids = [f"{'w' if warm_up else 'f'}{index}" for index in range(num_prompts)]
         for index, request_id in enumerate(ids):
-            prompt = [(index * 7919 + position) % min(10000, vocab_size) for position in range(prompt_len)]
+            # Warm-up prompts of their own: the profiled step must not find them in the prefix cache.
+            seed = index + (num_prompts if warm_up else 0)
+            prompt = [(seed * 7919 + position) % min(10000, vocab_size) for position in range(prompt_len)]
             engine.add_request(request_id, {"prompt_token_ids": prompt},
                                SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1))
         torch.cuda.synchronize()
@@ -123,6 +127,53 @@ def profile_prefill(llm, shape: str, top: int) -> None:
         print(f"  {event.self_device_time_total:9.1f}  {event.count:5d}x  {event.key[:90]}")
 
 
+def expert_spread(llm, batch: int, num_prompts: int = 16, seed: int = 0) -> None:
+    """How the router spreads tokens over the routed experts, per MoE layer, from one prefill of
+    random prompts: the busiest expert's share against the mean, and the distinct experts that
+    ``batch`` tokens of that prefill drawn at random touch (a decode batch of ``batch`` requests,
+    whose expert weights a step must stream) against what uniform routing would touch. Random
+    weights route however they happen to: an engine whose router sends every token to the same
+    few experts streams a fraction of the bytes a trained model's decode step does."""
+    engine = llm.engine
+    backend = engine.runner.moe_backend
+    if backend is None:
+        raise SystemExit("--expert-spread: this model has no MoE layers")
+    calls = []  # [num_tokens, top_k] routed ids of each eager route() call
+    original_route = backend.route
+
+    def route(router_logits, routing, *args, **kwargs):
+        weights, ids = original_route(router_logits, routing, *args, **kwargs)
+        if not torch.cuda.is_current_stream_capturing():
+            calls.append((routing.num_experts, ids[:, :routing.top_k].detach().clone()))
+        return weights, ids
+
+    backend.route = route
+    try:
+        prompts, _ = random_workload(num_prompts, (512, 512), (1, 1), seed, 10000)
+        for index, prompt in enumerate(prompts):
+            engine.add_request(f"s{index}", {"prompt_token_ids": prompt},
+                               SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1))
+        engine.step()  # one prefill step: 16x512 tokens fit the default token budget
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        del backend.route
+    prefill = [(num_experts, ids) for num_experts, ids in calls if ids.shape[0] == num_prompts * 512]
+    if not prefill:
+        raise SystemExit(f"--expert-spread: no eager route() call of the {num_prompts * 512}-token prefill was seen")
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    print(f"expert spread over a prefill of {num_prompts}x512 random tokens, and of {batch} of its tokens:")
+    for layer, (num_experts, ids) in enumerate(prefill):
+        top_k = ids.shape[1]
+        load = torch.bincount(ids.reshape(-1).cpu(), minlength=num_experts).float()  # [num_experts]
+        rows = torch.randperm(ids.shape[0], generator=generator)[:batch]
+        touched = ids.cpu()[rows].unique().numel()
+        uniform = num_experts * (1 - (1 - top_k / num_experts) ** batch)
+        print(f"  MoE layer {layer}: busiest expert {load.max() / load.mean():.1f}x the mean load, "
+              f"{int((load > 0).sum())}/{num_experts} experts used; {batch} tokens touch {touched} "
+              f"(uniform routing: {uniform:.0f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
@@ -130,15 +181,18 @@ def main() -> None:
     parser.add_argument("--profile-batch", default="256,32")
     parser.add_argument("--top", type=int, default=14, help="kernels listed per profiled window")
     parser.add_argument("--linear-state-dtype", default=None)
+    parser.add_argument("--max-model-len", type=int, default=4096, help="longer for --profile-prefill of long prompts")
     parser.add_argument("--profile-prefill", default=None, metavar="NUMxLEN",
                         help="also profile one step prefilling NUM prompts of LEN tokens")
+    parser.add_argument("--expert-spread", type=int, default=None, metavar="BATCH",
+                        help="also report how the router spreads tokens over experts (MoE models)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)8.0f ms %(name)s: %(message)s")
     start = time.perf_counter()
     options = {"linear_state_dtype": args.linear_state_dtype} if args.linear_state_dtype else {}
     if not has_tokenizer(Path(args.model)):
         options["skip_tokenizer_init"] = True
-    llm = LLM(args.model, load_format="dummy", max_model_len=4096, seed=0, **options)
+    llm = LLM(args.model, load_format="dummy", max_model_len=args.max_model_len, seed=0, **options)
     print(f"STARTUP {time.perf_counter() - start:.1f} s")
     logging.getLogger().setLevel(logging.WARNING)
     if args.num_prompts:
@@ -148,6 +202,8 @@ def main() -> None:
         profile_window(llm, int(batch), args.top)
     if args.profile_prefill:
         profile_prefill(llm, args.profile_prefill, args.top)
+    if args.expert_spread:
+        expert_spread(llm, args.expert_spread)
 
 
 if __name__ == "__main__":

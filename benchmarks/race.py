@@ -45,6 +45,16 @@ HERE = Path(__file__).resolve().parent
 # starting Kimi Linear 48B (CUDA-graph profiling for 1,024 sequences of KDA state).
 VLLM_EXTRA = {"qwen3-next-24l": {"additional_config": {"gdn_prefill_backend": "triton"}},
               "kimi-linear-48b": {"max_num_seqs": 256, "max_num_batched_tokens": 4096}}
+# vLLM's random weights fill norm weights with +-1e-3 as well (Weir's are 1), so the router's
+# logits all but vanish; where routing adds a correction bias (DeepSeek's and Kimi's sigmoid
+# routing) that bias alone then picks the experts, and every token of every step takes the same
+# eight: a decode step streams 8 experts' weights instead of nearly all 256, a fraction of what
+# a trained model costs. vLLM's own routing simulator (what its MoE benchmarks use) spreads the
+# tokens uniformly instead. Weir's random router spreads them a little less evenly, so its decode
+# batches stream somewhat fewer experts than uniform routing would: profile_steps --expert-spread
+# measures by how much, and the committed results say it beside the race.
+UNIFORM_ROUTING = {"VLLM_MOE_ROUTING_SIMULATION_STRATEGY": "uniform_random"}
+VLLM_ENV = {"deepseek-v3-7l": UNIFORM_ROUTING, "deepseek-v32-7l": UNIFORM_ROUTING, "kimi-linear-48b": UNIFORM_ROUTING}
 # The nano-bench workload's lengths and context; the long-context workload's defaults (its
 # context is derived: longctx_max_model_len).
 NANO_RANGE, NANO_MAX_MODEL_LEN = "100:1024,100:1024", 4096
@@ -149,7 +159,7 @@ def vllm_throughput(model: Path, sizes: list[int], out_dir: Path, longctx: tuple
     """vLLM's start-up, its nano rates and its long-context rate (``longctx``: requests, range),
     all from one process: with ``longctx`` it runs at the long-context max_model_len."""
     extra = {**VLLM_EXTRA.get(model.name, {}), **({} if has_tokenizer(model) else {"skip_tokenizer_init": True})}
-    env = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_EXTRA": json.dumps(extra)}
+    env = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_EXTRA": json.dumps(extra), **VLLM_ENV.get(model.name, {})}
     cmd = [sys.executable, str(HERE / "peers" / "bench_vllm.py"), str(model), ",".join(map(str, sizes)),
            "--random-range", NANO_RANGE]
     if longctx:
@@ -316,7 +326,8 @@ def main(argv: list[str] | None = None) -> None:
     command = reproducing_command(args)
     report = {"date": date, "versions": info, "command": command, "weir": weir,
               "weir_variants": {f"{label}-{size}": result for (label, size), result in variant_runs.items()},
-              "vllm": {"startup_seconds": vllm_startup, "output_tokens_per_second": vllm_rates},
+              "vllm": {"startup_seconds": vllm_startup, "output_tokens_per_second": vllm_rates,
+                       "env": VLLM_ENV.get(name, {})},
               "records": records}
     if longctx:
         report["longctx"] = {"num_requests": longctx[0], "random_range": longctx[1], "max_model_len": longctx[2]}
@@ -336,6 +347,9 @@ def main(argv: list[str] | None = None) -> None:
             f"max_model_len {longctx[2]} for both engines"
             + ("." if args.skip_vllm else f"; vLLM runs all its workloads in one process, so its nano-bench "
                f"batches ran at max_model_len {max(NANO_MAX_MODEL_LEN, longctx[2])} too."))
+    if not args.skip_vllm and name in VLLM_ENV:
+        lines.append(f"vLLM's environment: {' '.join(f'{key}={value}' for key, value in VLLM_ENV[name].items())} "
+                     "(its random weights would route every token to the same experts: see VLLM_ENV in race.py).")
     lines += [f"Command: `{command}`", "",
               f"| metric | Weir | vLLM {info['vllm']} | Weir / vLLM |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]

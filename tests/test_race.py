@@ -90,6 +90,22 @@ def fake_vllm(tmp_path):
     return {"PYTHONPATH": path, "FAKE_VLLM_LOG": str(log)}, log
 
 
+@pytest.mark.parametrize("name, uniform", [("deepseek-v32-7l", True), ("deepseek-v3-7l", True),
+                                            ("kimi-linear-48b", True), ("qwen3-next-24l", False)])
+def test_vllm_routes_uniformly_where_its_random_weights_would_not(race, monkeypatch, tmp_path, name, uniform):
+    """Correction-bias routing (DeepSeek, Kimi) runs vLLM under its uniform routing simulator."""
+    seen = {}
+
+    def fake_run(cmd, log, env=None, timeout=900):
+        seen.update(env)
+        return "STARTUP 1.0s\nRESULT vllm num_seqs=256 prompts out_tok/s=5\n"
+
+    monkeypatch.setattr(race, "run", fake_run)
+    assert race.vllm_throughput(tmp_path / name, [256], tmp_path) == (1.0, {256: 5.0}, None)
+    assert (seen.get("VLLM_MOE_ROUTING_SIMULATION_STRATEGY") == "uniform_random") is uniform
+    assert json.loads(seen["VLLM_EXTRA"])["skip_tokenizer_init"] is True  # the folder has no tokenizer.json
+
+
 @pytest.mark.parametrize("text", ["100:1024,100:1024", "8192:16384,256:256", "3:9,1:4"])
 @pytest.mark.parametrize("vocab_size", [129280, TINY_VOCAB_SIZE])
 def test_vllm_draws_the_prompts_weir_bench_draws(bench_vllm, tmp_path, text, vocab_size):
