@@ -263,16 +263,65 @@ def check_routing_kernel_matches_the_reference(device):
             torch.testing.assert_close(weights.cpu(), expected_weights.cpu(), rtol=1e-5, atol=1e-6)
 
 
+def check_grouped_routing_kernel_matches_the_reference(device):
+    """``sigmoid_grouped_top_k`` in one kernel: DeepSeek-V3's groups (8 of 32, 4 kept), Kimi's
+    single group, every group kept, group sizes and counts off powers of two, bf16 logits."""
+    from weir.moe import append_shared_experts
+    from weir.plugins.moe_backends.triton_routing_kernels import sigmoid_grouped_route_triton
+
+    cases = (  # num_tokens, experts, top_k, groups, kept groups, renormalize, scaling, logits dtype
+        (9, 256, 8, 8, 4, True, 2.5, torch.float32), (5, 256, 8, 1, 1, True, 2.446, torch.float32),
+        (6, 64, 6, 8, 8, False, 1.0, torch.float32), (7, 18, 3, 3, 2, True, 1.5, torch.float32),
+        (4, 8, 2, 4, 2, False, 0.5, torch.float32), (3, 40, 5, 5, 3, True, 1.0, torch.bfloat16))
+    for num_tokens, num_experts, top_k, num_groups, kept, renormalize, factor, dtype in cases:
+        routing = Routing.sigmoid_grouped_top_k(num_experts, top_k, num_groups, kept, renormalize, factor)
+        bias = _randn(num_experts, device=device, seed=num_experts + 1) * 0.5
+        if dtype == torch.bfloat16:  # distinct values bf16 holds exactly (k / 32, k < 256): no ties
+            generator = torch.Generator().manual_seed(num_experts)
+            logits = torch.stack([torch.randperm(num_experts, generator=generator) for _ in range(num_tokens)])
+            logits = (logits.float() / 32 - 0.6).to(device, dtype)
+        else:
+            logits = _randn(num_tokens, num_experts, device=device, seed=num_experts) * 2
+        for num_shared, gate_logits in ((0, None), (1, None), (2, _randn(num_tokens, 2, device=device, seed=3))):
+            expected_weights, expected_ids = route_reference(logits, routing, bias)
+            if num_shared:
+                expected_weights, expected_ids = append_shared_experts(expected_weights, expected_ids, num_experts,
+                                                                       num_shared, gate_logits)
+            weights, ids = sigmoid_grouped_route_triton(logits, bias, routing, num_shared, gate_logits)
+            where = (routing, dtype, num_shared)
+            assert weights.dtype == torch.float32 and ids.dtype == torch.int32, where
+            assert ids.shape == (num_tokens, top_k + num_shared), where
+            assert torch.equal(ids.long().cpu(), expected_ids.cpu()), where
+            torch.testing.assert_close(weights.cpu(), expected_weights.cpu(), rtol=1e-5, atol=1e-6, msg=str(where))
+    # A group's score counts a tie at its top twice (torch.topk(2)): group 1's logits [3, 3, -9]
+    # beat group 0's [5, -9, -9] only so, and it is kept alone; its tie goes to the lower id.
+    routing = Routing.sigmoid_grouped_top_k(6, 1, 2, 1, False, 1.0)
+    tied = torch.tensor([[5.0, -9.0, -9.0, 3.0, 3.0, -9.0]], device=device)
+    _, ids = sigmoid_grouped_route_triton(tied, torch.zeros(6, device=device), routing)
+    assert ids.tolist() == [[3]]
+    # A strided view of the logits reads the right elements; NaNs make garbage weights but never
+    # an id out of range.
+    routing = Routing.sigmoid_grouped_top_k(8, 3, 4, 2, True, 1.0)
+    wide = _randn(3, 16, device=device, seed=2)
+    bias = _randn(8, device=device, seed=4)
+    _, ids = sigmoid_grouped_route_triton(wide[:, ::2], bias, routing)
+    assert torch.equal(ids.long().cpu(), route_reference(wide[:, ::2], routing, bias)[1].cpu())
+    broken = torch.tensor([[float("nan")] * 8, [float("inf"), float("-inf")] * 4, [0.0] * 7 + [float("nan")]],
+                          device=device)
+    for bias in (torch.zeros(8, device=device), torch.full((8,), float("nan"), device=device)):
+        _, ids = sigmoid_grouped_route_triton(broken, bias, routing)
+        assert ((ids >= 0) & (ids < 8)).all(), ids
+
+
 def check_backend_routes_each_method(device):
-    """The backend's route: the fused kernel (int32 ids) for the softmax methods, the torch
-    reference (int64 ids) for the sigmoid one; the same weights and ids either way."""
+    """The backend's route: one fused kernel per method, int32 ids, the reference's weights and ids."""
     logits = _randn(11, NUM_EXPERTS + 1, device=device, seed=40)
     for routing in ROUTINGS:
         bias = _bias_for(routing, device, seed=41)
         weights, ids = _backend().route(logits[:, :NUM_EXPERTS], routing, bias, 1, logits[:, NUM_EXPERTS:])
         expected_weights, expected_ids = TorchMoEBackend().route(logits[:, :NUM_EXPERTS], routing, bias, 1,
                                                                  logits[:, NUM_EXPERTS:])
-        assert ids.dtype == (torch.int64 if routing.uses_correction_bias else torch.int32), routing
+        assert ids.dtype == torch.int32, routing
         assert torch.equal(ids.long().cpu(), expected_ids.cpu()), routing
         torch.testing.assert_close(weights.cpu(), expected_weights.cpu(), rtol=1e-5, atol=1e-6)
 
@@ -285,6 +334,7 @@ def check_the_backend_passes_the_conformance_check(device):
 
 CHECKS = [
     check_routing_kernel_matches_the_reference,
+    check_grouped_routing_kernel_matches_the_reference,
     check_backend_routes_each_method,
     check_alignment,
     check_matches_torch,
@@ -358,6 +408,12 @@ def test_bad_arguments_are_errors():
 
     with pytest.raises(ValueError, match="computes softmax_top_k and top_k_softmax, not sigmoid_grouped_top_k"):
         top_k_route_triton(torch.randn(3, NUM_EXPERTS), ROUTINGS[-1])
+    from weir.plugins.moe_backends.triton_routing_kernels import sigmoid_grouped_route_triton
+
+    with pytest.raises(ValueError, match="grouped routing kernel computes sigmoid_grouped_top_k, not softmax_top_k"):
+        sigmoid_grouped_route_triton(torch.randn(3, NUM_EXPERTS), torch.zeros(NUM_EXPERTS), ROUTINGS[0])
+    with pytest.raises(ValueError, match=r"correction_bias must be float \[8\]"):
+        sigmoid_grouped_route_triton(torch.randn(3, NUM_EXPERTS), torch.zeros(6), ROUTINGS[-1])
     with pytest.raises(ValueError, match=r"router_logits must be \[num_tokens, 8\]"):
         top_k_route_triton(torch.randn(3, 6), ROUTINGS[0])
     with pytest.raises(ValueError, match="needs the layer's correction_bias"):

@@ -5,18 +5,19 @@ one grouped GEMM computes ``act(gate) * up`` for every assignment, a second appl
 projection and the routing weight, and a last kernel sums each token's ``top_k`` rows
 (``triton_fused_kernels`` has the details). No step reads the device on the host and every
 grid depends only on the token count, so a decode batch of fixed size can be captured in a
-CUDA graph. ``softmax_top_k`` and ``top_k_softmax`` routing, shared-expert slots included, is
-one more kernel (``triton_routing_kernels``) in place of torch's five; ``sigmoid_grouped_top_k``
-runs the torch reference's ops for now (they never read the device on the host either).
+CUDA graph. Routing, shared-expert slots included, is one more kernel (``triton_routing_kernels``)
+for every method: ``softmax_top_k`` and ``top_k_softmax`` in place of torch's five launches,
+``sigmoid_grouped_top_k`` (DeepSeek-V3, Kimi) in place of its dozen.
 """
 
 from __future__ import annotations
 
 import torch
 
-from weir.moe import MoEBackend, Routing, activation_fn
+from weir.moe import SIGMOID_GROUPED_TOP_K, MoEBackend, Routing, activation_fn
 from weir.plugins.moe_backends.triton_fused_kernels import MoETiles, default_moe_tiles, fused_experts
-from weir.plugins.moe_backends.triton_routing_kernels import FUSED_ROUTING_METHODS, top_k_route_triton
+from weir.plugins.moe_backends.triton_routing_kernels import (FUSED_ROUTING_METHODS, sigmoid_grouped_route_triton,
+                                                              top_k_route_triton)
 
 # ACTIVATIONS names -> the expert kernel's own (``triton_fused_kernels._activate``).
 KERNEL_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -41,10 +42,14 @@ class TritonMoEBackend(MoEBackend):
         num_shared_experts: int = 0,
         shared_gate_logits: torch.Tensor | None = None,  # [num_tokens, num_shared_experts]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # weights fp32, integer ids: [num_tokens, top_k + num_shared_experts]
-        """The base class's routing and shared-expert slots: one fused kernel (int32 ids) for the
-        softmax methods, the torch reference (int64 ids) for ``sigmoid_grouped_top_k``."""
-        if isinstance(routing, Routing) and routing.method in FUSED_ROUTING_METHODS and correction_bias is None:
-            return top_k_route_triton(router_logits, routing, num_shared_experts, shared_gate_logits)
+        """The base class's routing and shared-expert slots in one fused kernel (int32 ids); a bias
+        given or missing against what the method takes goes to the base class, which names it."""
+        if isinstance(routing, Routing):
+            if routing.method in FUSED_ROUTING_METHODS and correction_bias is None:
+                return top_k_route_triton(router_logits, routing, num_shared_experts, shared_gate_logits)
+            if routing.method == SIGMOID_GROUPED_TOP_K and correction_bias is not None:
+                return sigmoid_grouped_route_triton(router_logits, correction_bias, routing, num_shared_experts,
+                                                    shared_gate_logits)
         return super().route(router_logits, routing, correction_bias, num_shared_experts, shared_gate_logits)
 
     def experts(
