@@ -68,8 +68,11 @@ def timed_steps(llm, prompts, max_tokens) -> None:
 
 def profile_window(llm, batch: int, top: int, num_steps: int = 6) -> None:
     engine = llm.engine
-    for index in range(batch):
-        engine.add_request(f"p{index}", {"prompt_token_ids": list(range(1, 400))},
+    # Prompts of their own, as a real batch has: one prompt for all would hit the prefix cache and
+    # route every request's tokens to the same experts (a MoE step would stream far fewer).
+    prompts, _ = random_workload(batch, (399, 399), (1, 1), 1, min(10000, engine.config.model.vocab_size - 1))
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"p{index}", {"prompt_token_ids": prompt},
                            SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=200))
     for _ in range(40):
         engine.step()
@@ -143,13 +146,14 @@ def expert_spread(llm, batch: int, num_prompts: int = 16, seed: int = 0) -> None
 
     def route(router_logits, routing, *args, **kwargs):
         weights, ids = original_route(router_logits, routing, *args, **kwargs)
-        if not torch.cuda.is_current_stream_capturing():
+        if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
             calls.append((routing.num_experts, ids[:, :routing.top_k].detach().clone()))
         return weights, ids
 
     backend.route = route
     try:
-        prompts, _ = random_workload(num_prompts, (512, 512), (1, 1), seed, 10000)
+        prompts, _ = random_workload(num_prompts, (512, 512), (1, 1), seed,
+                                     min(10000, engine.config.model.vocab_size - 1))
         for index, prompt in enumerate(prompts):
             engine.add_request(f"s{index}", {"prompt_token_ids": prompt},
                                SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1))
