@@ -48,8 +48,8 @@ VLLM_EXTRA = {"qwen3-next-24l": {"additional_config": {"gdn_prefill_backend": "t
 # vLLM's random weights fill norm weights with +-1e-3 as well (Weir's are 1), so the router's
 # logits all but vanish; where routing adds a correction bias (DeepSeek's and Kimi's sigmoid
 # routing) that bias alone then picks the experts, and every token of every step takes the same
-# eight: a decode step streams 8 experts' weights instead of nearly all 256, a fraction of what
-# a trained model costs. vLLM's own routing simulator (what its MoE benchmarks use) spreads the
+# eight (deduced from its loader; its DeepSeek race figures bear it out): a decode step streams
+# 8 experts' weights instead of nearly all 256, a fraction of what a trained model costs. vLLM's own routing simulator (what its MoE benchmarks use) spreads the
 # tokens uniformly instead. Weir's random router spreads them a little less evenly, so its decode
 # batches stream somewhat fewer experts than uniform routing would: profile_steps --expert-spread
 # measures by how much, and the committed results say it beside the race.
