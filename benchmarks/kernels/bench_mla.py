@@ -15,6 +15,7 @@ calls; each Triton time includes the cache store and both W_UK / W_UV batched GE
 the latent rows read once per request (1152 B each); TFLOP/s the absorbed form's dot products.
 
     python3 -m benchmarks.kernels.bench_mla [--sweep] [--quick] [--block-size 64]
+    python3 -m benchmarks.kernels.bench_mla --prefill-sweep   # attention tiles for prefill steps alone
 """
 
 from __future__ import annotations
@@ -210,18 +211,45 @@ def sweep(backend, block_size: int) -> None:
         backend.attention_tiles = None
 
 
+# (block_h, block_n, warps, stages) tried for prefill: the decode default first, then all 128
+# heads in one program (each gathered key tile loaded once for every head, not once per 64).
+PREFILL_TILES = ((64, 64, 8, 3), (64, 32, 8, 3), (64, 64, 8, 2), (64, 128, 8, 2), (128, 64, 16, 2),
+                 (128, 32, 16, 3), (128, 64, 8, 2))
+
+
+def prefill_sweep(backend, block_size: int) -> None:
+    """Prefill rows (sparse past the top-k, dense below it) under each of PREFILL_TILES."""
+    from weir.plugins.attention.mla_triton_kernels import mla_attention_kernel
+
+    for sparse, query_len, seq_len in ((True, 2048, 16384), (True, 8192, 8192), (False, 2048, 2048)):
+        for block_h, block_n, warps, stages in PREFILL_TILES:
+            backend.attention_tiles = MLATiles(block_h, block_n, warps, stages)
+            label = f"    tiles h={block_h} n={block_n} warps={warps} stages={stages}"
+            try:  # some configs need more shared memory or registers than the SM has
+                row = prefill_row(backend, sparse, query_len, seq_len, block_size)
+                print(label, row, compiled_stats(mla_attention_kernel), flush=True)
+            except Exception as error:  # noqa: BLE001 - a failed config is a result of the sweep
+                print(f"{label}: failed ({type(error).__name__}: {str(error)[:80]})", flush=True)
+            torch.cuda.empty_cache()
+    backend.attention_tiles = None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time other attention tile configs")
     parser.add_argument("--quick", action="store_true", help="fewer decode points, no torch at batch 256")
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--only-sweep", action="store_true", help="the sweep alone")
+    parser.add_argument("--prefill-sweep", action="store_true", help="only sweep the attention tiles of prefill steps")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}  triton {triton.__version__}  torch {torch.__version__}  "
           f"block_size {args.block_size}  (H={HEADS}, latent {LORA}+{ROPE}, bf16)", flush=True)
     backend = TritonMLABackend(args.block_size, DTYPE, torch.device("cuda"))
     if args.only_sweep:
         sweep(backend, args.block_size)
+        return
+    if args.prefill_sweep:
+        prefill_sweep(backend, args.block_size)
         return
     contexts = (1024, 4096, 16384) if args.quick else (1024, 2048, 4096, 8192, 16384)
     for batch, context in itertools.product((1, 32, 256), contexts):
