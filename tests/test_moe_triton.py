@@ -223,7 +223,7 @@ def check_routing_kernel_matches_the_reference(device):
     for num_tokens, num_experts, top_k, renormalize, dtype in (
             (7, 6, 3, False, torch.float32), (5, 60, 4, True, torch.float32), (3, 512, 10, True, torch.float32),
             (4, 200, 10, True, torch.bfloat16), (2, 8, 8, True, torch.float32), (3, 5, 1, False, torch.float32)):
-        if dtype == torch.bfloat16:  # distinct values bf16 holds exactly (k / 32, k < 256): no ties
+        if dtype != torch.float32:  # distinct values 16 bits hold exactly (k / 32, k < 256): no ties
             generator = torch.Generator().manual_seed(num_experts)
             logits = torch.stack([torch.randperm(num_experts, generator=generator) for _ in range(num_tokens)])
             logits = (logits.float() / 32 - 3).to(device, dtype)
@@ -272,11 +272,13 @@ def check_grouped_routing_kernel_matches_the_reference(device):
     cases = (  # num_tokens, experts, top_k, groups, kept groups, renormalize, scaling, logits dtype
         (9, 256, 8, 8, 4, True, 2.5, torch.float32), (5, 256, 8, 1, 1, True, 2.446, torch.float32),
         (6, 64, 6, 8, 8, False, 1.0, torch.float32), (7, 18, 3, 3, 2, True, 1.5, torch.float32),
-        (4, 8, 2, 4, 2, False, 0.5, torch.float32), (3, 40, 5, 5, 3, True, 1.0, torch.bfloat16))
+        (4, 8, 2, 4, 2, False, 0.5, torch.float32), (3, 40, 5, 5, 3, True, 1.0, torch.bfloat16),
+        (5, 12, 4, 3, 1, True, 1.0, torch.float16),  # top_k = every expert of the one kept group
+        (4, 6, 3, 6, 6, False, 1.0, torch.float32), (0, 256, 8, 8, 4, True, 2.5, torch.float32))
     for num_tokens, num_experts, top_k, num_groups, kept, renormalize, factor, dtype in cases:
         routing = Routing.sigmoid_grouped_top_k(num_experts, top_k, num_groups, kept, renormalize, factor)
         bias = _randn(num_experts, device=device, seed=num_experts + 1) * 0.5
-        if dtype == torch.bfloat16:  # distinct values bf16 holds exactly (k / 32, k < 256): no ties
+        if dtype != torch.float32:  # distinct values 16 bits hold exactly (k / 32, k < 256): no ties
             generator = torch.Generator().manual_seed(num_experts)
             logits = torch.stack([torch.randperm(num_experts, generator=generator) for _ in range(num_tokens)])
             logits = (logits.float() / 32 - 0.6).to(device, dtype)
@@ -299,18 +301,26 @@ def check_grouped_routing_kernel_matches_the_reference(device):
     tied = torch.tensor([[5.0, -9.0, -9.0, 3.0, 3.0, -9.0]], device=device)
     _, ids = sigmoid_grouped_route_triton(tied, torch.zeros(6, device=device), routing)
     assert ids.tolist() == [[3]]
-    # A strided view of the logits reads the right elements; NaNs make garbage weights but never
-    # an id out of range.
+    # Rows of a wider router output (the kernel reads the row stride) and a strided view (made
+    # contiguous first) read the right elements.
     routing = Routing.sigmoid_grouped_top_k(8, 3, 4, 2, True, 1.0)
     wide = _randn(3, 16, device=device, seed=2)
     bias = _randn(8, device=device, seed=4)
-    _, ids = sigmoid_grouped_route_triton(wide[:, ::2], bias, routing)
-    assert torch.equal(ids.long().cpu(), route_reference(wide[:, ::2], routing, bias)[1].cpu())
-    broken = torch.tensor([[float("nan")] * 8, [float("inf"), float("-inf")] * 4, [0.0] * 7 + [float("nan")]],
-                          device=device)
-    for bias in (torch.zeros(8, device=device), torch.full((8,), float("nan"), device=device)):
+    for view in (wide[:, :8], wide[:, ::2]):
+        weights, ids = sigmoid_grouped_route_triton(view, bias, routing)
+        expected_weights, expected_ids = route_reference(view, routing, bias)
+        assert torch.equal(ids.long().cpu(), expected_ids.cpu())
+        torch.testing.assert_close(weights.cpu(), expected_weights.cpu(), rtol=1e-5, atol=1e-6)
+    # NaN or infinite logits and bias make garbage weights, but the ids stay distinct and in
+    # range, from kept groups only, whatever the scores hold.
+    broken = torch.tensor([[float("nan")] * 8, [float("inf"), float("-inf")] * 4, [0.0] * 7 + [float("nan")],
+                           [float("-inf")] * 8], device=device)
+    for bias in (torch.zeros(8, device=device), torch.full((8,), float("nan"), device=device),
+                 torch.full((8,), -3e38, device=device), torch.full((8,), float("-inf"), device=device)):
         _, ids = sigmoid_grouped_route_triton(broken, bias, routing)
         assert ((ids >= 0) & (ids < 8)).all(), ids
+        for row in ids.tolist():
+            assert len(set(row)) == 3 and len({expert // 2 for expert in row}) <= 2, (bias, ids)
 
 
 def check_backend_routes_each_method(device):

@@ -104,15 +104,15 @@ def _sigmoid_grouped_route_kernel(
     groups = tl.arange(0, GROUPS_P)
     members = tl.arange(0, GROUP_P)
     valid = (groups[:, None] < NUM_GROUPS) & (members[None, :] < GROUP_SIZE)  # [G, S]
-    # Padding takes an id above every real one: on a tie at the bottom a real expert wins.
     experts = tl.where(valid, groups[:, None] * GROUP_SIZE + members[None, :], NUM_EXPERTS)  # [G, S]
     logits = tl.load(logits_ptr + token.to(tl.int64) * stride_logits + experts, mask=valid,
                      other=0.0).to(tl.float32)
     scores = tl.sigmoid(logits)  # [G, S]: the weights
     choice = scores + tl.load(bias_ptr + experts, mask=valid, other=0.0).to(tl.float32)
-    # NaNs (from a NaN logit or bias) drop to the bottom with the padding, so that the ids stay in
-    # range whatever the inputs hold.
+    # NaNs (from a NaN logit or bias) rank lowest. Picks come only from what is still open (real,
+    # kept, not yet taken), so however many scores are -inf the ids stay distinct and in range.
     choice = tl.where(valid & (choice == choice), choice, float("-inf"))
+    eligible = valid  # [G, S]
     if TOP_K_GROUPS < NUM_GROUPS:  # with every group kept, the group step masks nothing
         # A group's score: its two largest choice scores (the first one's lowest position dropped
         # for the second, so a tie counts twice, as torch.topk(2) does).
@@ -120,26 +120,27 @@ def _sigmoid_grouped_route_kernel(
         first_at = tl.min(tl.where(choice == first[:, None], members[None, :], GROUP_P), axis=1)
         second = tl.max(tl.where(members[None, :] == first_at[:, None], float("-inf"), choice), axis=1)
         group_scores = first + second
-        remaining_groups = tl.where((groups < NUM_GROUPS) & (group_scores == group_scores), group_scores,
-                                    float("-inf"))
+        group_scores = tl.where(group_scores == group_scores, group_scores, float("-inf"))
         kept = groups < 0  # [G] all False
         for _ in tl.static_range(TOP_K_GROUPS):
-            best = tl.max(remaining_groups, axis=0)
-            best_group = tl.min(tl.where(remaining_groups == best, groups, GROUPS_P), axis=0)
+            open_groups = (groups < NUM_GROUPS) & ~kept
+            best = tl.max(tl.where(open_groups, group_scores, float("-inf")), axis=0)
+            best_group = tl.min(tl.where(open_groups & (group_scores == best), groups, GROUPS_P), axis=0)
             kept = kept | (groups == best_group)
-            remaining_groups = tl.where(groups == best_group, float("-inf"), remaining_groups)
-        choice = tl.where(kept[:, None], choice, float("-inf"))
+        eligible = valid & kept[:, None]
     slots = tl.arange(0, TOP_K_P)
     top_weights = tl.zeros([TOP_K_P], tl.float32)
     top_ids = tl.zeros([TOP_K_P], tl.int32)
+    taken = experts < 0  # [G, S] all False
     for slot in tl.static_range(TOP_K):
-        best = tl.max(tl.max(choice, axis=1), axis=0)
-        best_id = tl.min(tl.min(tl.where(choice == best, experts, NUM_EXPERTS), axis=1), axis=0)
-        taken = experts == best_id  # [G, S]: one expert
-        weight = tl.sum(tl.sum(tl.where(taken, scores, 0.0), axis=1), axis=0)
+        open_experts = eligible & ~taken
+        best = tl.max(tl.max(tl.where(open_experts, choice, float("-inf")), axis=1), axis=0)
+        best_id = tl.min(tl.min(tl.where(open_experts & (choice == best), experts, NUM_EXPERTS), axis=1), axis=0)
+        picked = experts == best_id  # [G, S]: one expert
+        weight = tl.sum(tl.sum(tl.where(picked, scores, 0.0), axis=1), axis=0)
         top_weights = tl.where(slots == slot, weight, top_weights)
         top_ids = tl.where(slots == slot, best_id, top_ids)
-        choice = tl.where(taken, float("-inf"), choice)
+        taken = taken | picked
     if RENORMALIZE:
         top_weights = top_weights / (tl.sum(top_weights, axis=0) + 1e-20)  # padded slots hold 0
     top_weights = top_weights * routed_scaling_factor
