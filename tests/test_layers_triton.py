@@ -129,6 +129,37 @@ def check_rotary_in_place(device):
             _assert_close(rotated_k, expected_k, device)
 
 
+def check_interleaved_rotary_in_place(device):
+    """DeepSeek's MLA layout: q_pe the last 16 of each head's 48 dims of a wider q, k_pe one head
+    inside the kv latent's row; full and partial rotary dims."""
+    from weir.layers.rotary import InterleavedRotaryEmbedding
+
+    num_tokens, num_heads, nope, rope_dim, latent = 19, 8, 32, 16, 64
+    config = LlamaConfig(hidden_size=256, num_attention_heads=num_heads, head_dim=rope_dim,
+                         max_position_embeddings=512)
+    for dtype in DTYPES:
+        for rotary_dim in (rope_dim, rope_dim // 2):
+            rope = InterleavedRotaryEmbedding(config, rope_dim, 512, rotary_dim=rotary_dim)
+            rope.cos_sin_cache = rope.cos_sin_cache.to(dtype)
+            rope.materialize_buffers(torch.device(device))
+            q = _randn(num_tokens, num_heads, nope + rope_dim, device=device, dtype=dtype, seed=16)
+            kv_a = _randn(num_tokens, latent + rope_dim, device=device, dtype=dtype, seed=17)
+            q_nope_before, latent_before = q[..., :nope].clone(), kv_a[:, :latent].clone()
+            q_pe, k_pe = q[..., nope:], kv_a[:, latent:].unsqueeze(1)
+            positions = torch.randint(0, 512, (num_tokens,), generator=torch.Generator().manual_seed(8)).to(device)
+            with forced_torch_ops():
+                expected_q, expected_k = rope(positions, q_pe, k_pe)
+            rotated_q, rotated_k = _kernels().rotary_triton(positions, q_pe, k_pe, rope.cos_sin_cache,
+                                                            interleaved=True)
+            assert rotated_q.data_ptr() == q_pe.data_ptr() and rotated_k.data_ptr() == k_pe.data_ptr()
+            assert torch.equal(q[..., :nope], q_nope_before) and torch.equal(kv_a[:, :latent], latent_before)
+            if dtype == torch.float32 or device == "cuda":
+                # Same roundings as torch, FMA contraction off: bit for bit.
+                assert torch.equal(rotated_q, expected_q) and torch.equal(rotated_k, expected_k)
+            _assert_close(rotated_q, expected_q, device)
+            _assert_close(rotated_k, expected_k, device)
+
+
 def _head_norm(norm_class, head_dim, device, dtype, seed):
     """A per-head q/k norm with random weights around identity (1 for RMSNorm, 0 zero-centred)."""
     norm = norm_class(head_dim, eps=1e-6)
@@ -215,6 +246,7 @@ CHECKS = [
     check_rms_norm_adds_the_residual_in_place,
     check_silu_and_mul,
     check_rotary_in_place,
+    check_interleaved_rotary_in_place,
     check_qk_norm_rope_qwen3,
     check_qk_norm_rope_zero_centered_partial,
     check_qk_norm_rope_matches_the_separate_kernels,

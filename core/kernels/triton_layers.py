@@ -125,16 +125,24 @@ def _rotate_pair(x1, x2, cos, sin, dtype: tl.constexpr):
 @triton.jit
 def _rotate_heads(
     head_ptr, stride_head, num_heads, half, cos, sin,  # cos, sin: [BLOCK_HALF] fp32
-    BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
-    """Rotate dims [0, 2 * half) of ``num_heads`` heads of one token in place."""
+    """Rotate dims [0, 2 * half) of ``num_heads`` heads of one token in place: pairs ``(i, i + half)``
+    (rotate_half), or with ``INTERLEAVED`` pairs ``(2i, 2i + 1)`` written back de-interleaved as
+    ``[even' | odd']`` (``InterleavedRotaryEmbedding``). Every store of a head depends on both of
+    its loads, so rewriting the interleaved pairs in place reads no value already overwritten."""
     cols = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]
     for head_start in range(0, num_heads, BLOCK_HEADS):
         heads = head_start + tl.arange(0, BLOCK_HEADS)[:, None]  # [BLOCK_HEADS, 1]
         mask = (heads < num_heads) & (cols < half)
         first_ptr = head_ptr + heads * stride_head + cols
-        x1 = tl.load(first_ptr, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_HEADS, BLOCK_HALF]
-        x2 = tl.load(first_ptr + half, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_HEADS, BLOCK_HALF]
+        if INTERLEAVED:
+            pair_ptr = head_ptr + heads * stride_head + 2 * cols
+            x1 = tl.load(pair_ptr, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_HEADS, BLOCK_HALF]
+            x2 = tl.load(pair_ptr + 1, mask=mask, other=0.0).to(tl.float32)
+        else:
+            x1 = tl.load(first_ptr, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_HEADS, BLOCK_HALF]
+            x2 = tl.load(first_ptr + half, mask=mask, other=0.0).to(tl.float32)
         rotated1, rotated2 = _rotate_pair(x1, x2, cos, sin, head_ptr.dtype.element_ty)
         tl.store(first_ptr, rotated1, mask=mask)
         tl.store(first_ptr + half, rotated2, mask=mask)
@@ -147,7 +155,7 @@ def _rotary_kernel(
     k_ptr, k_stride_token, k_stride_head,  # [num_tokens, num_kv_heads, head_dim]
     cache_ptr, cache_stride,  # [max_positions, rotary_dim]: cos halves, then sin halves
     num_q_heads, num_kv_heads, half,
-    BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
@@ -156,9 +164,9 @@ def _rotary_kernel(
     cos = tl.load(cos_ptr, mask=cols < half, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(cos_ptr + half, mask=cols < half, other=0.0).to(tl.float32)[None, :]
     _rotate_heads(q_ptr + token * q_stride_token, q_stride_head, num_q_heads, half, cos, sin,
-                  BLOCK_HEADS, BLOCK_HALF)
+                  BLOCK_HEADS, BLOCK_HALF, INTERLEAVED)
     _rotate_heads(k_ptr + token * k_stride_token, k_stride_head, num_kv_heads, half, cos, sin,
-                  BLOCK_HEADS, BLOCK_HALF)
+                  BLOCK_HEADS, BLOCK_HALF, INTERLEAVED)
 
 
 def rotary_triton(
@@ -166,8 +174,10 @@ def rotary_triton(
     q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], last stride 1
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], last stride 1
     cos_sin_cache: torch.Tensor,  # [max_positions, rotary_dim], q's dtype
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``RotaryEmbedding.forward`` in place on ``q`` and ``k``; returns them."""
+    """``RotaryEmbedding.forward`` (``InterleavedRotaryEmbedding.forward`` with ``interleaved``)
+    in place on ``q`` and ``k``; returns them."""
     num_tokens = positions.shape[0]
     if num_tokens == 0:
         return q, k
@@ -177,7 +187,7 @@ def rotary_triton(
     _rotary_kernel[(num_tokens,)](
         positions, q, q.stride(0), q.stride(1), k, k.stride(0), k.stride(1),
         cos_sin_cache, cos_sin_cache.stride(0), q.shape[1], k.shape[1], half,
-        BLOCK_HEADS=block_heads, BLOCK_HALF=block_half,
+        BLOCK_HEADS=block_heads, BLOCK_HALF=block_half, INTERLEAVED=interleaved,
         num_warps=4, enable_fp_fusion=False,
     )
     return q, k
