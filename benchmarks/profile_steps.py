@@ -141,7 +141,7 @@ def expert_spread(llm, batch: int, num_prompts: int = 16, seed: int = 0) -> None
     backend = engine.runner.moe_backend
     if backend is None:
         raise SystemExit("--expert-spread: this model has no MoE layers")
-    calls = []  # [num_tokens, top_k] routed ids of each eager route() call
+    calls = []  # (num_experts, routed ids [num_tokens, top_k]) of each eager route() call
     original_route = backend.route
 
     def route(router_logits, routing, *args, **kwargs):

@@ -49,12 +49,13 @@ VLLM_EXTRA = {"qwen3-next-24l": {"additional_config": {"gdn_prefill_backend": "t
 # logits all but vanish; where routing adds a correction bias (DeepSeek's and Kimi's sigmoid
 # routing) that bias alone then picks the experts, and every token of every step takes the same
 # eight (deduced from its loader; its DeepSeek race figures bear it out): a decode step streams
-# 8 experts' weights instead of nearly all 256, a fraction of what a trained model costs. vLLM's own routing simulator (what its MoE benchmarks use) spreads the
-# tokens uniformly instead. Weir's random router spreads them a little less evenly, so its decode
-# batches stream somewhat fewer experts than uniform routing would: profile_steps --expert-spread
-# measures by how much, and the committed results say it beside the race.
+# 8 experts' weights instead of nearly all 256, a fraction of what a trained model costs. vLLM's
+# own routing simulator (what its MoE benchmarks use) spreads the tokens uniformly instead.
+# Weir's random router spreads them a little less evenly, so its decode batches stream somewhat
+# fewer experts than uniform routing would: profile_steps --expert-spread measures by how much,
+# and the committed results say it beside the race.
 UNIFORM_ROUTING = {"VLLM_MOE_ROUTING_SIMULATION_STRATEGY": "uniform_random"}
-VLLM_ENV = {"deepseek-v3-7l": UNIFORM_ROUTING, "deepseek-v32-7l": UNIFORM_ROUTING, "kimi-linear-48b": UNIFORM_ROUTING}
+VLLM_ENV = {name: UNIFORM_ROUTING for name in ("deepseek-v3-7l", "deepseek-v32-7l", "kimi-linear-48b")}
 # The nano-bench workload's lengths and context; the long-context workload's defaults (its
 # context is derived: longctx_max_model_len).
 NANO_RANGE, NANO_MAX_MODEL_LEN = "100:1024,100:1024", 4096
@@ -327,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     report = {"date": date, "versions": info, "command": command, "weir": weir,
               "weir_variants": {f"{label}-{size}": result for (label, size), result in variant_runs.items()},
               "vllm": {"startup_seconds": vllm_startup, "output_tokens_per_second": vllm_rates,
-                       "env": VLLM_ENV.get(name, {})},
+                       "env": None if args.skip_vllm else VLLM_ENV.get(name, {})},
               "records": records}
     if longctx:
         report["longctx"] = {"num_requests": longctx[0], "random_range": longctx[1], "max_model_len": longctx[2]}

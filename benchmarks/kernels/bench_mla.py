@@ -153,6 +153,10 @@ def prefill_row(backend, sparse: bool, query_len: int, seq_len: int, block_size:
     return line
 
 
+def compiled_variants(kernel) -> int:
+    return sum(len(caches[0]) for caches in kernel.device_caches.values())
+
+
 def compiled_stats(kernel) -> str:
     """Registers, spills and matrix instructions of the variant compiled last (wgmma: Hopper's)."""
     compiled = [entry for caches in kernel.device_caches.values() for entry in caches[0].values()]
@@ -226,8 +230,12 @@ def prefill_sweep(backend, block_size: int) -> None:
             backend.attention_tiles = MLATiles(block_h, block_n, warps, stages)
             label = f"    tiles h={block_h} n={block_n} warps={warps} stages={stages}"
             try:  # some configs need more shared memory or registers than the SM has
+                variants = compiled_variants(mla_attention_kernel)
                 row = prefill_row(backend, sparse, query_len, seq_len, block_size)
-                print(label, row, compiled_stats(mla_attention_kernel), flush=True)
+                # The stats are the last compiled variant's: this row's only if it compiled one.
+                compiled_one = compiled_variants(mla_attention_kernel) > variants
+                stats = compiled_stats(mla_attention_kernel) if compiled_one else ""
+                print(label, row, stats, flush=True)
             except Exception as error:  # noqa: BLE001 - a failed config is a result of the sweep
                 print(f"{label}: failed ({type(error).__name__}: {str(error)[:80]})", flush=True)
             torch.cuda.empty_cache()

@@ -136,8 +136,8 @@ def sweep_parts(shape: MoEShape, num_tokens: int, batch, weights, iters: int) ->
 def shared_expert_ways(shape: MoEShape, num_tokens: int, weights, iters: int) -> None:
     """Routed experts plus a sigmoid-gated shared expert of the same width: as a separate MLP
     (router GEMM, fused routing, experts, shared gate/up GEMM, SiLU-and-mul, down GEMM, sigmoid,
-    product, sum) or as expert 512 of the fused kernels (router GEMM with the gate row, one routing
-    kernel, experts)."""
+    product, sum) or as one more expert of the fused kernels (router GEMM with the gate row, one
+    routing kernel, experts)."""
     import torch.nn.functional as F
 
     hidden_size, intermediate, num_routed, routing = shape.hidden, shape.intermediate, shape.num_experts, shape.routing

@@ -129,8 +129,9 @@ def _rotate_heads(
 ):
     """Rotate dims [0, 2 * half) of ``num_heads`` heads of one token in place: pairs ``(i, i + half)``
     (rotate_half), or with ``INTERLEAVED`` pairs ``(2i, 2i + 1)`` written back de-interleaved as
-    ``[even' | odd']`` (``InterleavedRotaryEmbedding``). Every store of a head depends on both of
-    its loads, so rewriting the interleaved pairs in place reads no value already overwritten."""
+    ``[even' | odd']`` (``InterleavedRotaryEmbedding``). rotate_half stores each element where the
+    same thread loaded it; the interleaved layout stores dim ``c`` from the pair another thread
+    (possibly another warp) loaded, so a barrier keeps every store after every load of the tile."""
     cols = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]
     for head_start in range(0, num_heads, BLOCK_HEADS):
         heads = head_start + tl.arange(0, BLOCK_HEADS)[:, None]  # [BLOCK_HEADS, 1]
@@ -138,8 +139,9 @@ def _rotate_heads(
         first_ptr = head_ptr + heads * stride_head + cols
         if INTERLEAVED:
             pair_ptr = head_ptr + heads * stride_head + 2 * cols
-            x1 = tl.load(pair_ptr, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_HEADS, BLOCK_HALF]
-            x2 = tl.load(pair_ptr + 1, mask=mask, other=0.0).to(tl.float32)
+            x1 = tl.load(pair_ptr, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_HEADS, BLOCK_HALF] even dims
+            x2 = tl.load(pair_ptr + 1, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_HEADS, BLOCK_HALF] odd dims
+            tl.debug_barrier()
         else:
             x1 = tl.load(first_ptr, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_HEADS, BLOCK_HALF]
             x2 = tl.load(first_ptr + half, mask=mask, other=0.0).to(tl.float32)
