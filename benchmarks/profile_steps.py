@@ -66,11 +66,16 @@ def timed_steps(llm, prompts, max_tokens) -> None:
                   f"{seconds[label] / counts[label] * 1e3:7.2f} ms/step")
 
 
+def largest_token_id(engine) -> int:
+    """The nano-bench workload's token bound (10000), inside the model's vocabulary."""
+    return min(10000, engine.config.model.vocab_size - 1)
+
+
 def profile_window(llm, batch: int, top: int, num_steps: int = 6) -> None:
     engine = llm.engine
     # Prompts of their own, as a real batch has: one prompt for all would hit the prefix cache and
     # route every request's tokens to the same experts (a MoE step would stream far fewer).
-    prompts, _ = random_workload(batch, (399, 399), (1, 1), 1, min(10000, engine.config.model.vocab_size - 1))
+    prompts, _ = random_workload(batch, (399, 399), (1, 1), 1, largest_token_id(engine))
     for index, prompt in enumerate(prompts):
         engine.add_request(f"p{index}", {"prompt_token_ids": prompt},
                            SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=200))
@@ -152,8 +157,7 @@ def expert_spread(llm, batch: int, num_prompts: int = 16, seed: int = 0) -> None
 
     backend.route = route
     try:
-        prompts, _ = random_workload(num_prompts, (512, 512), (1, 1), seed,
-                                     min(10000, engine.config.model.vocab_size - 1))
+        prompts, _ = random_workload(num_prompts, (512, 512), (1, 1), seed, largest_token_id(engine))
         for index, prompt in enumerate(prompts):
             engine.add_request(f"s{index}", {"prompt_token_ids": prompt},
                                SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1))

@@ -216,6 +216,16 @@ def check_no_tokens(device):
         assert out.shape == (0, HIDDEN)
 
 
+def _tie_free_logits(num_tokens, num_experts, device, dtype, scale, offset):
+    """Router logits with no ties in any row: fp32 random normals times ``scale``; in 16 bits,
+    distinct values they hold exactly (k / 32 - offset, k < 256)."""
+    if dtype == torch.float32:
+        return _randn(num_tokens, num_experts, device=device, seed=num_experts) * scale
+    generator = torch.Generator().manual_seed(num_experts)
+    ranks = torch.stack([torch.randperm(num_experts, generator=generator) for _ in range(num_tokens)])
+    return (ranks.float() / 32 - offset).to(device, dtype)
+
+
 def check_routing_kernel_matches_the_reference(device):
     from weir.moe import append_shared_experts
     from weir.plugins.moe_backends.triton_routing_kernels import top_k_route_triton
@@ -223,12 +233,7 @@ def check_routing_kernel_matches_the_reference(device):
     for num_tokens, num_experts, top_k, renormalize, dtype in (
             (7, 6, 3, False, torch.float32), (5, 60, 4, True, torch.float32), (3, 512, 10, True, torch.float32),
             (4, 200, 10, True, torch.bfloat16), (2, 8, 8, True, torch.float32), (3, 5, 1, False, torch.float32)):
-        if dtype != torch.float32:  # distinct values 16 bits hold exactly (k / 32, k < 256): no ties
-            generator = torch.Generator().manual_seed(num_experts)
-            logits = torch.stack([torch.randperm(num_experts, generator=generator) for _ in range(num_tokens)])
-            logits = (logits.float() / 32 - 3).to(device, dtype)
-        else:
-            logits = _randn(num_tokens, num_experts, device=device, seed=num_experts) * 3
+        logits = _tie_free_logits(num_tokens, num_experts, device, dtype, scale=3, offset=3)
         for routing in (Routing.softmax_top_k(num_experts, top_k, renormalize),
                         Routing.top_k_softmax(num_experts, top_k)):
             expected_weights, expected_ids = route_reference(logits, routing)
@@ -278,12 +283,7 @@ def check_grouped_routing_kernel_matches_the_reference(device):
     for num_tokens, num_experts, top_k, num_groups, kept, renormalize, factor, dtype in cases:
         routing = Routing.sigmoid_grouped_top_k(num_experts, top_k, num_groups, kept, renormalize, factor)
         bias = _randn(num_experts, device=device, seed=num_experts + 1) * 0.5
-        if dtype != torch.float32:  # distinct values 16 bits hold exactly (k / 32, k < 256): no ties
-            generator = torch.Generator().manual_seed(num_experts)
-            logits = torch.stack([torch.randperm(num_experts, generator=generator) for _ in range(num_tokens)])
-            logits = (logits.float() / 32 - 0.6).to(device, dtype)
-        else:
-            logits = _randn(num_tokens, num_experts, device=device, seed=num_experts) * 2
+        logits = _tie_free_logits(num_tokens, num_experts, device, dtype, scale=2, offset=0.6)
         for num_shared, gate_logits in ((0, None), (1, None), (2, _randn(num_tokens, 2, device=device, seed=3))):
             expected_weights, expected_ids = route_reference(logits, routing, bias)
             if num_shared:

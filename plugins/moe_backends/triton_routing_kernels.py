@@ -184,13 +184,12 @@ def top_k_route_triton(
     if num_tokens == 0:
         return weights, ids
     block_e = triton.next_power_of_2(num_experts)
-    has_gate = shared_gate_logits is not None
     _top_k_route_kernel[(num_tokens,)](
         router_logits, weights, ids, num_tokens, num_experts, router_logits.stride(0),
-        shared_gate_logits if has_gate else router_logits, shared_gate_logits.stride(0) if has_gate else 0,
+        *_shared_gate_args(shared_gate_logits, router_logits),
         TOP_K=routing.top_k, TOP_K_P=triton.next_power_of_2(routing.top_k), BLOCK_E=block_e,
         SOFTMAX_FIRST=routing.method == SOFTMAX_TOP_K, RENORMALIZE=routing.renormalize,
-        NUM_SHARED=num_shared, HAS_SHARED_GATE=has_gate, num_warps=_route_warps(block_e),
+        NUM_SHARED=num_shared, HAS_SHARED_GATE=shared_gate_logits is not None, num_warps=_route_warps(block_e),
     )
     return weights, ids
 
@@ -212,20 +211,25 @@ def sigmoid_grouped_route_triton(
                                                                        shared_gate_logits)
     if num_tokens == 0:
         return weights, ids
-    correction_bias = correction_bias.contiguous()
     group_size = num_experts // routing.num_groups
-    has_gate = shared_gate_logits is not None
+    groups_p, group_p = triton.next_power_of_2(routing.num_groups), triton.next_power_of_2(group_size)
     _sigmoid_grouped_route_kernel[(num_tokens,)](
-        router_logits, correction_bias, weights, ids, num_tokens, router_logits.stride(0),
-        routing.routed_scaling_factor,
-        shared_gate_logits if has_gate else router_logits, shared_gate_logits.stride(0) if has_gate else 0,
-        NUM_GROUPS=routing.num_groups, GROUP_SIZE=group_size, GROUPS_P=triton.next_power_of_2(routing.num_groups),
-        GROUP_P=triton.next_power_of_2(group_size), TOP_K_GROUPS=routing.top_k_groups, TOP_K=routing.top_k,
-        TOP_K_P=triton.next_power_of_2(routing.top_k), RENORMALIZE=routing.renormalize, NUM_SHARED=num_shared,
-        HAS_SHARED_GATE=has_gate,
-        num_warps=_route_warps(triton.next_power_of_2(routing.num_groups) * triton.next_power_of_2(group_size)),
+        router_logits, correction_bias.contiguous(), weights, ids, num_tokens, router_logits.stride(0),
+        routing.routed_scaling_factor, *_shared_gate_args(shared_gate_logits, router_logits),
+        NUM_GROUPS=routing.num_groups, GROUP_SIZE=group_size, GROUPS_P=groups_p, GROUP_P=group_p,
+        TOP_K_GROUPS=routing.top_k_groups, TOP_K=routing.top_k, TOP_K_P=triton.next_power_of_2(routing.top_k),
+        RENORMALIZE=routing.renormalize, NUM_SHARED=num_shared, HAS_SHARED_GATE=shared_gate_logits is not None,
+        num_warps=_route_warps(groups_p * group_p),
     )
     return weights, ids
+
+
+def _shared_gate_args(shared_gate_logits: torch.Tensor | None, router_logits: torch.Tensor) -> tuple:
+    """The kernels' (shared gate pointer, its row stride): any tensor and 0 when there are no gate logits
+    (``HAS_SHARED_GATE`` off, never read)."""
+    if shared_gate_logits is None:
+        return router_logits, 0
+    return shared_gate_logits, shared_gate_logits.stride(0)
 
 
 def _route_warps(block_e: int) -> int:
