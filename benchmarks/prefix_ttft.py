@@ -6,7 +6,8 @@ Usage (on the GPU machine; any device with --device):
 ``--model`` is a model folder (a config alone runs with random weights). Two workloads, token-id
 prompts, each run with prefix caching off and on (once per ``--retention-interval``); with
 ``--vllm``, vLLM runs them too, cache off and on, each in a child process that runs before any
-of Weir's (so the GPU's memory is all its own):
+of Weir's (so the GPU's memory is all its own; ``--vllm-only`` runs those alone, for a later
+``--vllm`` run into the same OUT_DIR to reuse):
 - multi-turn chat: ``--conversations`` conversations of ``--turns`` turns; turn t's prompt is turn
   t-1's prompt plus a reply and a new user message (``--reply-len``, ``--user-len`` tokens), so
   each turn's prompt extends the last one (the hit a checkpoint at a prompt's last block boundary
@@ -115,12 +116,18 @@ def vllm_runs(args, workloads: dict, caching: bool) -> dict:
 
 
 def vllm_in_child(args, caching: bool) -> tuple[str, dict]:
-    """Run ``vllm_runs`` in a child process of this script; returns (label, its waves)."""
+    """Run ``vllm_runs`` in a child process of this script; returns (label, its waves).
+
+    A result that an earlier ``--vllm-only`` run left in OUT_DIR with the same options is reused,
+    so that vLLM's runs and Weir's can be split between two invocations."""
     result = args.out_dir / f"vllm-{'on' if caching else 'off'}.json"
-    argv = [a for a in sys.argv[1:] if a != "--vllm"]
-    subprocess.run([sys.executable, __file__, *argv, "--vllm-child", "on" if caching else "off",
-                    "--vllm-result", str(result)], check=True, timeout=1800)
-    done = json.loads(result.read_text())
+    argv = [a for a in sys.argv[1:] if a not in ("--vllm", "--vllm-only")]
+    done = json.loads(result.read_text()) if result.is_file() else {}
+    if done.get("argv") != argv:
+        subprocess.run([sys.executable, __file__, *argv, "--vllm-child", "on" if caching else "off",
+                        "--vllm-result", str(result)], check=True, timeout=1800)
+        done = json.loads(result.read_text()) | {"argv": argv}
+        result.write_text(json.dumps(done))
     return f"vllm {done['version']} {'on' if caching else 'off'}", done["waves"]
 
 
@@ -143,6 +150,8 @@ def main() -> None:
     parser.add_argument("--retention-interval", type=int, action="append", default=None,
                         help="--prefix-cache-retention-interval values to run with the cache on (default: 0)")
     parser.add_argument("--vllm", action="store_true", help="also run vLLM (installed here), cache off and on")
+    parser.add_argument("--vllm-only", action="store_true",
+                        help="run vLLM's two runs alone and leave them in OUT_DIR for a later --vllm run")
     parser.add_argument("--vllm-child", choices=("on", "off"), help=argparse.SUPPRESS)  # vllm_in_child's
     parser.add_argument("--vllm-result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -159,7 +168,10 @@ def main() -> None:
     # Paths as a reader finds them (relative to the working folder), not by this machine's.
     report = {"model": os.path.relpath(args.model), "date": datetime.date.today().isoformat(), "args": {
         k: (os.path.relpath(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "runs": {}}
-    vllm_waves = dict(vllm_in_child(args, caching) for caching in (False, True)) if args.vllm else {}
+    run_vllm = args.vllm or args.vllm_only
+    vllm_waves = dict(vllm_in_child(args, caching) for caching in (False, True)) if run_vllm else {}
+    if args.vllm_only:
+        return
     for label, caching, interval in runs:
         llm = LLM(str(args.model), **engine_options(args, caching, interval))
         per_workload = {}

@@ -1,14 +1,16 @@
 """Speculative decoding benchmarks: what the machinery can give, and what it gives.
 
     python3 benchmarks/spec_decode.py OUT_DIR --workload ceiling --model benchmarks/models/qwen3-8b
-    python3 benchmarks/spec_decode.py OUT_DIR --workload ngram              # SmolLM2 (its GGUF)
+    python3 benchmarks/spec_decode.py OUT_DIR --workload ngram [--vllm]     # SmolLM2 (its GGUF)
     python3 benchmarks/spec_decode.py OUT_DIR --workload verify-cost --model benchmarks/models/qwen3-next-24l
     python3 benchmarks/spec_decode.py OUT_DIR --workload adaptive           # SmolLM2, mixed prompts
 
 - ``ceiling``: random weights (``load_format dummy``), ``draft_model`` = the same folder, whose
   dummy weights are the same (seed 0): every draft is accepted but for near-ties. Output tok/s
   at each batch size and ``k`` against no speculation in the same run, and the mean step time.
-- ``ngram``: the real default model repeating paragraphs (greedy), with and without n-gram drafts.
+- ``ngram``: the real default model repeating paragraphs (greedy), with and without n-gram drafts;
+  ``--vllm`` runs vLLM on the same prompts too, without drafts and with the largest ``k``, each
+  engine in a child process of its own after Weir's runs.
 - ``verify-cost``: the time of a decode step that verifies ``k`` drafts against a plain decode
   step (n-gram slots, adaptive off, so every step verifies ``k`` whatever they hold): for a MoE
   model at a large batch one step reads nearly every expert either way.
@@ -23,7 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -102,23 +107,90 @@ def ceiling(args):
     return rows
 
 
+def repeat_prompts(batch: int) -> list[list[dict]]:
+    return [[{"role": "user", "content": f"Repeat this paragraph exactly, word for word:\n\n"
+                                         f"{PARAGRAPHS[i % len(PARAGRAPHS)]}"}] for i in range(batch)]
+
+
+def ngram_config(k: int) -> dict | None:
+    return None if k == 0 else {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+                                "prompt_lookup_min": 2}
+
+
 def ngram(args):
     from weir import SamplingParams
 
     rows = []
     for batch in args.batch:
-        prompts = [[{"role": "user", "content": f"Repeat this paragraph exactly, word for word:\n\n"
-                                                f"{PARAGRAPHS[i % len(PARAGRAPHS)]}"}] for i in range(batch)]
         params = SamplingParams(temperature=0, max_tokens=args.output_len)
         options = dict(max_model_len=1024, max_num_seqs=max(batch, 1))
         for k in [0] + args.k:
-            spec = None if k == 0 else {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-                                        "prompt_lookup_min": 2}
-            llm = engine(args.model, args.device, spec, **options)
-            _, row = timed_generate(llm, prompts, params, chat=True)
-            rows.append({"batch": batch, "k": k, **row})
+            llm = engine(args.model, args.device, ngram_config(k), **options)
+            _, row = timed_generate(llm, repeat_prompts(batch), params, chat=True)
+            rows.append({"engine": "weir", "batch": batch, "k": k, **row})
             del llm
+    if args.vllm:
+        for k in (0, max(args.k)):
+            rows += vllm_in_child(args, k)
+        weir = {(r["batch"], r["k"]): r["tok_per_s"] for r in rows if r["engine"] == "weir"}
+        for row in rows:
+            if row["engine"] != "weir":
+                row["weir_over_vllm"] = weir[row["batch"], row["k"]] / row["tok_per_s"]
     return rows
+
+
+def vllm_ngram_runs(args, k: int) -> list[dict]:
+    """vLLM on the ngram workload with ``k`` n-gram drafts (0: none), one engine for every batch."""
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    import vllm
+
+    from weir.default_model import DEFAULT_MODEL_EOS_TOKEN_ID, default_model_path
+
+    model = args.model or str(default_model_path())
+    llm = vllm.LLM(model=model, max_model_len=1024, max_num_seqs=max(args.batch), seed=0,
+                   speculative_config=ngram_config(k), disable_log_stats=False, gpu_memory_utilization=0.5)
+    # The GGUF's tokenizer names <|im_start|> as its eos; the chat turn ends at <|im_end|>, where
+    # Weir stops too.
+    params = vllm.SamplingParams(temperature=0, max_tokens=args.output_len,
+                                 stop_token_ids=[DEFAULT_MODEL_EOS_TOKEN_ID] if args.model is None else None)
+    llm.chat(repeat_prompts(1), params, use_tqdm=False)  # warm-up
+    rows = []
+    for batch in args.batch:
+        before = vllm_spec_counters(llm)
+        start = time.perf_counter()
+        outputs = llm.chat(repeat_prompts(batch), params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        after = vllm_spec_counters(llm)
+        num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+        row = {"engine": f"vllm {vllm.__version__}", "batch": batch, "k": k, "seconds": seconds,
+               "output_tokens": num_out, "tok_per_s": num_out / seconds}
+        if k:
+            drafts = after["num_draft_tokens"] - before["num_draft_tokens"]
+            accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+            row |= {"draft_tokens": drafts, "accepted": accepted, "acceptance_rate": accepted / max(drafts, 1)}
+        rows.append(row)
+    return rows
+
+
+def vllm_spec_counters(llm) -> dict:
+    """vLLM's cumulative speculative-decoding counters (0 where it has none yet)."""
+    names = {"vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens"}
+    counts = dict.fromkeys(names.values(), 0)
+    for metric in llm.get_metrics():
+        if metric.name in names:
+            counts[names[metric.name]] += metric.value
+    return counts
+
+
+def vllm_in_child(args, k: int) -> list[dict]:
+    """Run ``vllm_ngram_runs`` in a child process of this script (one vLLM engine per process)."""
+    result = args.out_dir / f"vllm-ngram-k{k}.json"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    argv = [a for a in sys.argv[1:] if a != "--vllm"]
+    subprocess.run([sys.executable, __file__, *argv, "--vllm-child", str(k), "--vllm-result", str(result)],
+                   check=True, timeout=1200)
+    return json.loads(result.read_text())
 
 
 def verify_cost(args):
@@ -184,6 +256,9 @@ def main() -> None:
     parser.add_argument("--k", default="1,2,4", help="comma-separated num_speculative_tokens")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=None)
+    parser.add_argument("--vllm", action="store_true", help="ngram: also run vLLM (installed here)")
+    parser.add_argument("--vllm-child", type=int, help=argparse.SUPPRESS)  # vllm_in_child's k
+    parser.add_argument("--vllm-result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     cpu = args.device == "cpu"
     defaults = {"ceiling": ("1,32", 256), "ngram": ("1,16", 256), "verify-cost": ("256", 64), "adaptive": ("8", 128)}
@@ -191,6 +266,9 @@ def main() -> None:
     args.batch = [int(b) for b in (args.batch or ("1,4" if cpu and args.workload != "adaptive" else batch)).split(",")]
     args.k = [int(k) for k in args.k.split(",")]
     args.output_len = args.output_len or (min(output_len, 64) if cpu else output_len)
+    if args.vllm_child is not None:
+        args.vllm_result.write_text(json.dumps(vllm_ngram_runs(args, args.vllm_child)))
+        return
     rows = WORKLOADS[args.workload](args)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     name = f"spec-{args.workload}"

@@ -55,6 +55,19 @@ def run(path, params, speculative_config=None, **options):
     return llm, outputs, [width for _, width, _ in replays]
 
 
+def record_proposer_replays(llm) -> list:
+    """Keys of the proposer's graph replays from now on (``weir.spec_decode.proposal_graphs``)."""
+    graphs, keys = llm.engine.runner.graphs, []
+    original = graphs.replay_named
+
+    def replay_named(key):
+        keys.append(key)
+        return original(key)
+
+    graphs.replay_named = replay_named
+    return keys
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3"])
 def test_greedy_equal_with_graphs(llama_path, tmp_path_factory, method):
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=1)
@@ -71,6 +84,11 @@ def test_greedy_equal_with_graphs(llama_path, tmp_path_factory, method):
     if method == "draft_model":
         assert counters.num_accepted_tokens == counters.num_draft_tokens
     assert 1 + K in replays  # verification steps replayed the graphs of width 1 + k
+    if method != "ngram":  # and the draft network's passes after them replayed theirs
+        assert ("proposer", 8, 1 + K) in llm.engine.runner.graphs._named
+        replayed = record_proposer_replays(llm)
+        llm.generate([{"prompt_token_ids": p} for p in prompts(1)], params, use_tqdm=False)
+        assert any(key[2] == 1 + K for key in replayed)
     assert_nothing_held(llm)
 
 

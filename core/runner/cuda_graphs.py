@@ -5,7 +5,9 @@ size and replayed from a graph holding the whole model forward and the logits. U
 decoding a second family of graphs has ``width = 1 + num_speculative_tokens`` token slots per
 request (vLLM's uniform decode with drafts): any batch whose requests each have at most that many
 tokens replays one, the tokens past its last request belonging to none (slot -1); those graphs
-give the hidden states, the logits of the rows verification needs being taken after. The graphs read
+give the hidden states, the logits of the rows verification needs being taken after; a draft
+network's passes after them replay graphs of their own (``capture_named``,
+``weir.spec_decode.proposal_graphs``). The graphs read
 the runner's persistent input buffers (``weir.runner.input_buffers``), which the input-prep
 kernels fill before each replay. Padding requests point at the request table's spare row, whose
 block tables are all null block, so they read and write only the null block (and, in hybrid
@@ -103,6 +105,7 @@ class CudaGraphs:
         self._mixed: dict[int, list[int]] = {}  # mixed steps: batch size -> token counts with a graph, ascending
         self._mixed_logits: torch.Tensor | None = None  # [largest mixed batch, vocab], every mixed graph's output
         self.logits: dict = {}  # each graph's output: logits [size, vocab], or what its forward returned
+        self._named: dict = {}  # key -> (graph, output): graphs outside the step families (capture_named)
         self.pool_bytes = 0
         self._pool = None
         self._stream = None
@@ -151,8 +154,9 @@ class CudaGraphs:
         num_mixed = sum(map(len, self._mixed.values()))
         mixed = (f", {num_mixed} mixed-step ones (up to {max(max(s) for s in self._mixed.values())} tokens)"
                  if num_mixed else "")
-        logger.info("captured %d decode CUDA graphs (batch 1..%d%s)%s in %.1f s, %.2f GiB", len(self.graphs) - num_mixed,
-                    self.capture_sizes[-1], ", each run eagerly first" if eager_first else "", mixed,
+        named = f", {len(self._named)} of a proposer's passes" if self._named else ""
+        logger.info("captured %d decode CUDA graphs (batch 1..%d%s)%s%s in %.1f s, %.2f GiB", len(self.graphs) - num_mixed,
+                    self.capture_sizes[-1], ", each run eagerly first" if eager_first else "", mixed, named,
                     time.perf_counter() - start, self.pool_bytes / 2**30)
 
     def capture(self, batch_size: int, forward: Callable[[], torch.Tensor], width: int = 1,
@@ -163,6 +167,27 @@ class CudaGraphs:
         first one captured (the largest batch, shapes go largest first) keeps its own output as
         that buffer, the others copy theirs into its leading rows and leave theirs to the pool."""
         key = self.key(batch_size, width, num_tokens)
+        share = self._share_mixed_output if num_tokens is not None else None
+        self.graphs[key], self.logits[key] = self._record(forward, share)
+        if num_tokens is None:
+            bisect.insort(self._captured.setdefault(width, []), batch_size)
+        else:
+            bisect.insort(self._mixed.setdefault(batch_size, []), num_tokens)
+
+    def capture_named(self, key: tuple, forward: Callable[[], torch.Tensor]) -> None:
+        """Record ``forward()`` as a graph outside the step families (a proposer's passes after
+        a step's graph), in the same pool: it replays after that step's graph, never beside it."""
+        self._named[key] = self._record(forward)
+
+    def replay_named(self, key: tuple) -> torch.Tensor | None:
+        """Run the named graph; its output, or None when none was captured under ``key``."""
+        if key not in self._named:
+            return None
+        graph, output = self._named[key]
+        graph.replay()
+        return output
+
+    def _record(self, forward: Callable[[], torch.Tensor], transform: Callable | None = None):
         graph = torch.cuda.CUDAGraph()
         main_stream = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(main_stream)
@@ -170,17 +195,12 @@ class CudaGraphs:
             graph.capture_begin(pool=self._pool)
             try:
                 output = forward()
-                if num_tokens is not None:
-                    output = self._share_mixed_output(output)
-                self.logits[key] = output
+                if transform is not None:
+                    output = transform(output)
             finally:
                 graph.capture_end()
         main_stream.wait_stream(self._stream)
-        self.graphs[key] = graph
-        if num_tokens is None:
-            bisect.insort(self._captured.setdefault(width, []), batch_size)
-        else:
-            bisect.insort(self._mixed.setdefault(batch_size, []), num_tokens)
+        return graph, output
 
     def _share_mixed_output(self, logits: torch.Tensor) -> torch.Tensor:
         shared = self._mixed_logits

@@ -278,7 +278,7 @@ class ModelRunner:
         if self.linear_state is not None:  # states at prefix-cache boundaries, into checkpoints
             self.linear_state.save_checkpoints(out.state_copies, self.device, self.pin_memory)
         if self.spec is not None:
-            return self.spec.finish_step(plan, logits[: layout.num_rows], layout, out)
+            return self.spec.finish_step(plan, logits[: layout.num_rows], layout, out, graph_mode)
         return self._sample(plan, logits[: plan.num_reqs], out)
 
     def _plan(self, out: SchedulerOutput, graph_mode: str) -> StepPlan:

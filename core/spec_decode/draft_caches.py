@@ -53,17 +53,25 @@ class DraftCaches:
         """A forward over ``rows`` (table rows, device) with these tokens: ``positions [T]``
         (unclamped: slots past a request's blocks come out -1), ``seq_lens [n]``."""
         runner = self.runner
-        max_seq_len = min(max_seq_len, runner.max_model_len)
         qsl = host_to_device(query_start_loc.astype(np.int32), runner.device, runner.pin_memory)
-        tables, slots = gather_block_tables_and_slot_mapping(runner.table.block_tables_view(), rows, qsl, positions,
-                                                             runner.block_size)
+        return self.device_context(rows, qsl, positions, seq_lens, max_query_len, max_seq_len,
+                                   has_unowned_tokens=positions.shape[0] > int(query_start_loc[-1]))
+
+    def device_context(self, rows: torch.Tensor, query_start_loc: torch.Tensor, positions: torch.Tensor,
+                       seq_lens: torch.Tensor, max_query_len: int, max_seq_len: int,
+                       has_unowned_tokens: bool) -> ForwardContext:
+        """``context`` with ``query_start_loc [n + 1]`` (int32) already on the device: what a
+        captured pass reads (``weir.spec_decode.proposal_graphs``)."""
+        runner = self.runner
+        max_seq_len = min(max_seq_len, runner.max_model_len)
+        tables, slots = gather_block_tables_and_slot_mapping(runner.table.block_tables_view(), rows, query_start_loc,
+                                                             positions, runner.block_size)
         metadata = []
         for g in self.group_map:
             metadata.append(AttentionMetadata(
-                query_start_loc=qsl, seq_lens=seq_lens.clamp_max(runner.max_model_len).int(), block_tables=tables[g],
-                slot_mapping=slots[g], num_reqs=rows.shape[0], num_tokens=positions.shape[0],
-                max_query_len=max_query_len, max_seq_len=max_seq_len,
-                has_unowned_tokens=positions.shape[0] > int(query_start_loc[-1])))
+                query_start_loc=query_start_loc, seq_lens=seq_lens.clamp_max(runner.max_model_len).int(),
+                block_tables=tables[g], slot_mapping=slots[g], num_reqs=rows.shape[0], num_tokens=positions.shape[0],
+                max_query_len=max_query_len, max_seq_len=max_seq_len, has_unowned_tokens=has_unowned_tokens))
         return self.caches.forward_context(metadata, None, runner.moe_backend)
 
 

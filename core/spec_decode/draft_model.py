@@ -10,7 +10,8 @@ cover every position the target's does. After each target step, on the device:
 2. ``k - 1`` one-token passes feed each draft back in for the next.
 
 Rows whose step did not sample (a partial prefill chunk) take part in the first pass with their
-step tokens only. Drafts are greedy (the
+step tokens only. After a decode step that ran in a CUDA graph, the passes run in one of their own
+(``weir.spec_decode.proposal_graphs``). Drafts are greedy (the
 argmax of the draft's logits), which rejection sampling verifies as a one-hot draft distribution:
 lossless for every request, sampled ones included, with no ``[batch, k, vocab]`` draft
 probabilities to keep.
@@ -26,6 +27,7 @@ from weir.layers.moe import FusedExperts
 from weir.runner.inputs import prepare_step_inputs
 from weir.spec_decode.draft_caches import DraftCaches, step_starts
 from weir.spec_decode.ngram import write_drafts
+from weir.spec_decode.proposal_graphs import per_row, proposals, runs_in_a_graph, step_layout
 from weir.weights import iter_checkpoint
 from weir.weights.loader import load_model
 
@@ -49,7 +51,12 @@ class DraftModelProposer:
         # The draft passes write the KV of up to k positions past a step's last token.
         self.num_lookahead_tokens = config.num_speculative_tokens
 
-    def propose(self, table, rows: torch.Tensor, max_len: int, plan, sampled: np.ndarray, **_) -> None:
+    def propose(self, table, rows: torch.Tensor, max_len: int, plan, sampled: np.ndarray, graph_mode: str = "off",
+                **_) -> None:
+        if runs_in_a_graph(plan, sampled):
+            drafts = proposals(self.runner, plan, graph_mode, lambda size, width: self._graph_passes(table, size, width))
+            write_drafts(table, rows, drafts[: plan.num_reqs], torch.full_like(rows, self.num_speculative_tokens))
+            return
         runner = self.runner
         device, pin = runner.device, runner.pin_memory
         max_model_len = runner.max_model_len
@@ -89,3 +96,32 @@ class DraftModelProposer:
             draft = self.model.compute_logits(hidden).argmax(dim=-1)
             drafts.append(draft)
         write_drafts(table, rows, torch.stack(drafts, dim=1), torch.full_like(rows, self.num_speculative_tokens))
+
+    def _graph_passes(self, table, size: int, width: int) -> torch.Tensor:
+        """``propose``'s passes over a decode graph's padded batch, reading only persistent
+        buffers (what a graph can replay): drafts ``[size, k]``, those of padding requests
+        meaningless."""
+        runner = self.runner
+        max_model_len = runner.max_model_len
+        rows, target_qsl, starts = step_layout(runner, size)  # [P], [P + 1], [P]
+        # First pass: each request's step tokens and one more (all sampled), in width + 1 slots each.
+        query_start_loc = target_qsl + torch.arange(size + 1, dtype=target_qsl.dtype, device=rows.device)
+        num_tokens = size * (width + 1)
+        input_ids, positions, seq_lens = prepare_step_inputs(table.token_ids.gpu, per_row(table, rows, starts), rows,
+                                                             query_start_loc, num_tokens)
+        ctx = self.caches.device_context(rows, query_start_loc, positions, seq_lens, width + 1, max_model_len,
+                                         has_unowned_tokens=True)
+        hidden = self.model(input_ids, positions.clamp_max(max_model_len - 1), ctx)  # [P * (width + 1), hidden]
+        known = table.num_tokens.gpu[rows].long()  # [P], after this step's tokens
+        last = (query_start_loc[:size].long() + known - 1 - starts).clamp(0, num_tokens - 1)
+        draft = self.model.compute_logits(hidden[last]).argmax(dim=-1)  # [P]
+        drafts = [draft]
+        one_each = torch.arange(size + 1, dtype=torch.int32, device=rows.device)
+        for step in range(1, self.num_speculative_tokens):
+            position = (known - 1 + step).clamp_min(0)  # padding rows know no token
+            ctx = self.caches.device_context(rows, one_each, position, position + 1, 1, max_model_len,
+                                             has_unowned_tokens=False)
+            hidden = self.model(draft, position.clamp_max(max_model_len - 1), ctx)
+            draft = self.model.compute_logits(hidden).argmax(dim=-1)
+            drafts.append(draft)
+        return torch.stack(drafts, dim=1)  # [P, k]

@@ -10,7 +10,9 @@ The head's pass at position ``p`` takes the token at ``p + 1`` and a hidden stat
    and its logits there, next to the sampled token, give the first draft;
 2. ``k - 1`` one-token passes, each feeding the previous draft and the head's own hidden state.
 
-The head's layers ride in the target's cache groups (``weir.spec_decode.draft_caches``). Drafts
+The head's layers ride in the target's cache groups (``weir.spec_decode.draft_caches``). After a
+decode step that ran in a CUDA graph, the passes run in one of their own
+(``weir.spec_decode.proposal_graphs``), reading the hidden states the step's graph gave. Drafts
 are greedy, verified as one-hot draft distributions (lossless for sampled requests too).
 
 Heads: ``weir.spec_decode.eagle_heads`` (EAGLE and EAGLE-3 checkpoints in the layout vLLM
@@ -30,6 +32,7 @@ from weir.buffers import host_to_device
 from weir.runner.inputs import prepare_step_inputs
 from weir.spec_decode.draft_caches import DraftCaches, step_starts
 from weir.spec_decode.ngram import write_drafts
+from weir.spec_decode.proposal_graphs import per_row, proposals, runs_in_a_graph, step_layout
 from weir.weights import iter_checkpoint
 from weir.weights.loader import load_model
 
@@ -73,7 +76,12 @@ class HiddenStateProposer:
         self.num_lookahead_tokens = config.num_speculative_tokens
         self.head.watch_target(runner.model)
 
-    def propose(self, table, rows: torch.Tensor, max_len: int, plan, sampled: np.ndarray, **_) -> None:
+    def propose(self, table, rows: torch.Tensor, max_len: int, plan, sampled: np.ndarray, graph_mode: str = "off",
+                **_) -> None:
+        if runs_in_a_graph(plan, sampled):
+            drafts = proposals(self.runner, plan, graph_mode, lambda size, width: self._graph_passes(table, size, width))
+            write_drafts(table, rows, drafts[: plan.num_reqs], torch.full_like(rows, self.num_speculative_tokens))
+            return
         runner, head = self.runner, self.head
         device, pin = runner.device, runner.pin_memory
         max_model_len = runner.max_model_len
@@ -107,6 +115,35 @@ class HiddenStateProposer:
             draft = head.draft_tokens(logits_hidden)
             drafts.append(draft)
         write_drafts(table, rows, torch.stack(drafts, dim=1), torch.full_like(rows, self.num_speculative_tokens))
+
+    def _graph_passes(self, table, size: int, width: int) -> torch.Tensor:
+        """``propose``'s passes over a decode graph's padded batch, reading only persistent
+        buffers and the step graph's hidden states: drafts ``[size, k]``, those of padding
+        requests meaningless."""
+        runner, head = self.runner, self.head
+        max_model_len = runner.max_model_len
+        rows, query_start_loc, starts = step_layout(runner, size)  # [P], [P + 1], [P]
+        num_tokens = size * width
+        input_ids, _, _ = prepare_step_inputs(table.token_ids.gpu, per_row(table, rows, starts + 1), rows,
+                                              query_start_loc, num_tokens)
+        positions = runner.inputs.positions[:num_tokens]
+        ctx = self.caches.device_context(rows, query_start_loc, positions, runner.inputs.seq_lens[:size], width,
+                                         max_model_len, has_unowned_tokens=True)
+        logits_hidden, hidden = head(input_ids, positions, head.target_hidden(runner.last_hidden), ctx, 0)
+        known = table.num_tokens.gpu[rows].long()  # [P], after this step's tokens
+        last = (query_start_loc[:size].long() + known - 2 - starts).clamp(0, num_tokens - 1)
+        draft = head.draft_tokens(logits_hidden[last])  # [P]
+        hidden = hidden[last]
+        drafts = [draft]
+        one_each = torch.arange(size + 1, dtype=torch.int32, device=rows.device)
+        for step in range(1, self.num_speculative_tokens):
+            position = (known - 2 + step).clamp_min(0)  # padding rows know no token
+            ctx = self.caches.device_context(rows, one_each, position, position + 1, 1, max_model_len,
+                                             has_unowned_tokens=False)
+            logits_hidden, hidden = head(draft, position.clamp_max(max_model_len - 1), hidden, ctx, step)
+            draft = head.draft_tokens(logits_hidden)
+            drafts.append(draft)
+        return torch.stack(drafts, dim=1)  # [P, k]
 
 
 def with_hf_config(model_config, **attributes):

@@ -86,8 +86,9 @@ class SpecDecodeStep:
             self.rollback.prepare(plan)
 
     def finish_step(self, plan: StepPlan, logits: torch.Tensor, layout: VerifyLayout,
-                    out: SchedulerOutput) -> AsyncOutput:
-        """Verify, post-update, propose; the step's results on their way to the host."""
+                    out: SchedulerOutput, graph_mode: str = "off") -> AsyncOutput:
+        """Verify, post-update, propose; the step's results on their way to the host.
+        ``graph_mode`` is the step's: a draft network's passes after a graph step take it."""
         runner, table, buffers = self.runner, self.runner.table, self.runner.inputs
         num_reqs, num_tokens = plan.num_reqs, plan.num_tokens
         real_rows = buffers.idx_mapping[:num_reqs]
@@ -110,7 +111,7 @@ class SpecDecodeStep:
         if sampled or self.proposer.runs_without_samples:
             rows = host_to_device(plan.rows[sampled], runner.device, runner.pin_memory)
             self.proposer.propose(table, rows, max_known, plan=plan, layout=layout, result=result,
-                                  sampled=np.asarray(sampled, dtype=np.int64))
+                                  sampled=np.asarray(sampled, dtype=np.int64), graph_mode=graph_mode)
         return AsyncOutput(plan.req_ids, result.token_ids, result.logprob_token_ids, result.logprobs, result.ranks,
                            runner.copy_stream, result.num_emitted, result.num_verified,
                            on_host=self._mirror_correction(plan))
