@@ -16,8 +16,10 @@ of Weir's (so the GPU's memory is all its own; ``--vllm-only`` runs those alone,
   system prompt plus their own user message (``--own-len-range``), in two waves (the first fills
   the cache).
 Each wave is sent at once with one output token, so its wall time is the time to the first token
-of its last request: the prefill work the cache saves or not. The first wave of every engine runs
-once beforehand to compile and warm it. Writes OUT_DIR/prefix-ttft-<model>-<date>.{json,md}.
+of its last request: the prefill work the cache saves or not; each request's own time to first
+token (the end of the step that finished it) gives the mean and p99. The first wave of every
+engine runs once beforehand to compile and warm it. The report also gives the memory Weir's
+state checkpoints took. Writes OUT_DIR/prefix-ttft-<model>-<date>.{json,md}.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import argparse
 import datetime
 import gc
 import json
+import math
 import os
 import random
 import subprocess
@@ -74,16 +77,42 @@ def length_range(text: str) -> tuple[int, int]:
 
 
 def run_waves(llm, waves: list[list[list[int]]], params=ONE_TOKEN) -> list[dict]:
-    """``llm``: Weir's or vLLM's LLM (the same generate and num_cached_tokens)."""
+    """``llm``: Weir's or vLLM's LLM (the same generate, ``llm_engine.step`` and num_cached_tokens).
+    Each request's time to first token is the end of the engine step that finished it (one
+    output token), from the wave's start."""
+    engine = llm.llm_engine
+    original_step = engine.step
+    finished_at: dict[str, float] = {}
+
+    def step():
+        outputs = original_step()
+        now = time.perf_counter()
+        for output in outputs:
+            if output.finished:
+                finished_at.setdefault(output.request_id, now)
+        return outputs
+
+    engine.step = step
     results = []
-    for wave in waves:
-        start = time.perf_counter()
-        outputs = llm.generate([{"prompt_token_ids": p} for p in wave], params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        prompt_tokens = sum(len(p) for p in wave)
-        cached = sum(o.num_cached_tokens or 0 for o in outputs)
-        results.append({"seconds": seconds, "prompt_tokens": prompt_tokens, "cached_tokens": cached})
+    try:
+        for wave in waves:
+            finished_at.clear()
+            start = time.perf_counter()
+            outputs = llm.generate([{"prompt_token_ids": p} for p in wave], params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            ttfts = sorted(finished_at[o.request_id] - start for o in outputs)
+            results.append({"seconds": seconds, "prompt_tokens": sum(len(p) for p in wave),
+                            "cached_tokens": sum(o.num_cached_tokens or 0 for o in outputs),
+                            "ttft_mean_s": sum(ttfts) / len(ttfts), "ttft_p99_s": percentile(ttfts, 0.99),
+                            "ttfts_s": ttfts})
+    finally:
+        del engine.step  # the instance attribute: the class's method again
     return results
+
+
+def percentile(ascending: list[float], fraction: float) -> float:
+    """Nearest-rank percentile of an ascending list."""
+    return ascending[min(len(ascending) - 1, max(0, math.ceil(fraction * len(ascending)) - 1))]
 
 
 def engine_options(args, caching: bool, interval: int) -> dict:
@@ -166,14 +195,17 @@ def main() -> None:
         return
     runs = [("off", False, 0)] + [(f"on, interval {n}", True, n) for n in (args.retention_interval or [0])]
     # Paths as a reader finds them (relative to the working folder), not by this machine's.
-    report = {"model": os.path.relpath(args.model), "date": datetime.date.today().isoformat(), "args": {
-        k: (os.path.relpath(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "runs": {}}
+    options = {k: (os.path.relpath(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+               if k not in ("out_dir", "vllm_child", "vllm_result")}
+    report = {"model": os.path.relpath(args.model), "date": datetime.date.today().isoformat(), "args": options,
+              "runs": {}, "memory": {}}
     run_vllm = args.vllm or args.vllm_only
     vllm_waves = dict(vllm_in_child(args, caching) for caching in (False, True)) if run_vllm else {}
     if args.vllm_only:
         return
     for label, caching, interval in runs:
         llm = LLM(str(args.model), **engine_options(args, caching, interval))
+        report["memory"][label] = state_memory(llm)
         per_workload = {}
         for name, waves in workloads.items():
             run_waves(llm, waves[:1])  # compile and warm this engine's shapes
@@ -194,6 +226,15 @@ def main() -> None:
     print((args.out_dir / f"{stem}.md").read_text())
 
 
+def state_memory(llm) -> dict:
+    """What Weir gave the linear-attention state: running requests' slots and the prefix cache's
+    checkpoints (each the size of one slot)."""
+    runner = llm.engine.runner
+    per_slot = runner.linear_state.bytes_per_slot if runner.linear_state is not None else 0
+    return {"state_slots": runner.num_state_slots, "checkpoint_slots": runner.num_checkpoint_slots,
+            "bytes_per_slot": per_slot, "checkpoint_gib": runner.num_checkpoint_slots * per_slot / 2**30}
+
+
 def markdown(report: dict, workloads: dict) -> str:
     labels = list(report["runs"])
     lines = [f"# Prefix caching and time to first token, {report['model']}, {report['date']}", "",
@@ -212,8 +253,17 @@ def markdown(report: dict, workloads: dict) -> str:
                          + " | ".join(f"{r['seconds'] * 1e3:,.0f}" for r in row) + " | "
                          + " | ".join(f"{r['cached_tokens']:,}" for r in row[1:]) + " | "
                          + " | ".join(f"{r['seconds'] / off:.2f}" for r in row[1:]) + " |")
+        lines += ["", "Time to first token over every request of every wave:", "",
+                  "| run | mean TTFT, ms | p99 TTFT, ms |", "|---|---|---|"]
+        for label in labels:
+            ttfts = sorted(t for wave in report["runs"][label][name] for t in wave.get("ttfts_s", []))
+            if ttfts:
+                lines.append(f"| {label} | {sum(ttfts) / len(ttfts) * 1e3:,.0f} | {percentile(ttfts, 0.99) * 1e3:,.0f} |")
         lines.append("")
-    return "\n".join(lines)
+    for label, memory in report.get("memory", {}).items():
+        lines.append(f"- {label}: {memory['state_slots']} state slots, {memory['checkpoint_slots']} checkpoint slots "
+                     f"of {memory['bytes_per_slot'] / 2**20:.1f} MiB ({memory['checkpoint_gib']:.2f} GiB)")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -1,13 +1,18 @@
-"""The memory-bandwidth floor of the Qwen3-Next nano-bench: how fast any engine could run it.
+"""The memory-bandwidth floor of a hybrid MoE model's nano-bench: how fast any engine could run it.
 
     python3 -m benchmarks.roofline_next [benchmarks/models/qwen3-next-24l] [--bandwidth 4.3e12] [--peer 5662]
+    python3 -m benchmarks.roofline_next benchmarks/models/kimi-linear-48b --peer 3917
+
+Qwen3-Next (Gated DeltaNet + full attention) and Kimi Linear (Kimi Delta Attention + MLA, whose
+cache is one latent of ``kv_lora_rank + qk_rope_head_dim`` values per token and layer).
 
 Per decode batch-size bucket it also prints the floor's mean ms per step, to set beside the
 buckets of ``benchmarks/profile_steps.py`` (where a real run loses its time).
 
 A decode step must read every weight it uses once: the non-expert weights (all but the
 embedding, of which it gathers a few rows), every expert some token of the batch routed to, each
-running request's recurrent state (read and written back) and its KV cache. Routing is taken as
+running request's recurrent state (read and written back; conv states are left out, under 1%
+of it) and its KV cache. Routing is taken as
 uniform (random weights route close to that): a batch of ``b`` tokens touches
 ``E * (1 - (1 - k/E)^b)`` of the ``E`` experts on average. Prefill is charged its matmul FLOPs at
 ``--tflops``. Requests are assumed to all decode from the first step (no prefill in between),
@@ -48,6 +53,22 @@ def weight_bytes(model_dir: Path) -> tuple[int, int, int]:
     return expert, embedding, other
 
 
+def cache_sizes(config: dict) -> tuple[int, int]:
+    """(recurrent-state elements per request, KV-cache bytes per token in bf16) of all layers."""
+    if config["model_type"] == "kimi_linear":
+        linear = config["linear_attn_config"]
+        state = len(linear["kda_layers"]) * linear["num_heads"] * linear["head_dim"] ** 2
+        latent = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+        return state, len(linear["full_attn_layers"]) * latent * 2
+    layer_types = config.get("layer_types") or [
+        "full_attention" if (index + 1) % config["full_attention_interval"] == 0 else "linear_attention"
+        for index in range(config["num_hidden_layers"])]
+    state = (layer_types.count("linear_attention") * config["linear_num_value_heads"]
+             * config["linear_key_head_dim"] * config["linear_value_head_dim"])
+    kv = layer_types.count("full_attention") * 2 * config["num_key_value_heads"] * config["head_dim"] * 2
+    return state, kv
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", default="benchmarks/models/qwen3-next-24l")
@@ -59,15 +80,9 @@ def main() -> None:
     model_dir = Path(args.model)
     config = json.loads((model_dir / "config.json").read_text())
     expert_bytes, embedding_bytes, other_bytes = weight_bytes(model_dir)
-    num_experts, top_k = config["num_experts"], config["num_experts_per_tok"]
-    layer_types = config.get("layer_types") or [
-        "full_attention" if (index + 1) % config["full_attention_interval"] == 0 else "linear_attention"
-        for index in range(config["num_hidden_layers"])]
-    num_linear = layer_types.count("linear_attention")
-    num_full = layer_types.count("full_attention")
-    state_elements = (num_linear * config["linear_num_value_heads"] * config["linear_key_head_dim"]
-                      * config["linear_value_head_dim"])  # recurrent state per request
-    kv_bytes_per_token = num_full * 2 * config["num_key_value_heads"] * config["head_dim"] * 2
+    num_experts = config["num_experts"]
+    top_k = config.get("num_experts_per_tok") or config["num_experts_per_token"]
+    state_elements, kv_bytes_per_token = cache_sizes(config)
     active_params = (other_bytes + expert_bytes * top_k / num_experts) / 2  # per token, embedding excluded
     prompts, max_tokens = random_workload(args.num_prompts, (100, 1024), (100, 1024), 0, 10000)
     prompt_tokens, output_tokens = sum(map(len, prompts)), sum(max_tokens)

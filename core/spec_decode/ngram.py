@@ -10,13 +10,16 @@ A request with no match gets no drafts (``num_drafts`` 0): its next step verifie
 slots it was scheduled.
 
 Runs as torch ops on the request table's device tensors, with shapes from host integers alone
-(the longest row the host knows of), so it never synchronises: the same code serves the CPU
-and, inside the step's stream, an accelerator.
+(the longest row the host knows of), so it never synchronises; on CUDA one Triton launch
+(``weir.kernels.triton_ngram``, this code its oracle) does the same work in place of the well
+over a hundred small ops.
 """
 
 from __future__ import annotations
 
 import torch
+
+from weir.kernels.dispatch import triton_module, use_triton
 
 
 def propose_ngram(
@@ -70,6 +73,11 @@ class NgramProposer:
         self.max_n = prompt_lookup_max
 
     def propose(self, table, rows: torch.Tensor, max_len: int, **_) -> None:
+        if use_triton(table.token_ids.gpu):
+            triton_module("triton_ngram").propose_ngram_triton(
+                table.token_ids.gpu, table.num_tokens.gpu, table.num_drafts.gpu, rows, max_len, self.min_n,
+                self.max_n, self.num_speculative_tokens)
+            return
         drafts, counts = propose_ngram(table.token_ids.gpu, table.num_tokens.gpu, rows, max_len, self.min_n,
                                        self.max_n, self.num_speculative_tokens)
         write_drafts(table, rows, drafts, counts)
