@@ -359,6 +359,42 @@ def add_made_up_mtp_weights(path: Path, *, seed: int = 0, source_layer: int = 1)
     return path
 
 
+def add_made_up_deepseek_mtp_weights(path: Path, *, seed: int = 0) -> Path:
+    """Give a tiny DeepSeek-V3 checkpoint (``make_tiny_deepseek_v3``) one next-token module in the
+    layout of the released checkpoints, at layer index ``num_hidden_layers``: a perturbed copy of
+    the last (MoE) decoder layer, ``enorm`` / ``hnorm`` / ``eh_proj`` [hidden, 2 hidden],
+    ``shared_head.norm``, and copies of the embedding and the LM head (``embed_tokens``,
+    ``shared_head.head``), in a second shard: the model's becomes the first, and an index lists
+    both (transformers reads a lone ``model.safetensors`` in preference to an index)."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    num_layers = config["num_hidden_layers"]
+    tensors = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed)
+    hidden = tensors["model.embed_tokens.weight"].shape[1]
+    source, target = f"model.layers.{num_layers - 1}.", f"model.layers.{num_layers}."
+    mtp = {}
+    for name, tensor in tensors.items():
+        if name.startswith(source):
+            noise = torch.randn(tensor.shape, generator=gen) * 0.05 * (tensor.std() if tensor.numel() > 1 else 1)
+            mtp[target + name[len(source):]] = (tensor + noise).contiguous()
+    mtp[target + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) * 0.1
+    for norm in ("enorm", "hnorm", "shared_head.norm"):  # far from 1: a norm applied twice shows
+        mtp[f"{target}{norm}.weight"] = 0.2 + 2 * torch.rand(hidden, generator=gen)
+    mtp[target + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    mtp[target + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    shards = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    (path / "model.safetensors").rename(path / shards[0])
+    save_file(mtp, path / shards[1])
+    weight_map = {name: shards[0] for name in tensors} | {name: shards[1] for name in mtp}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config["num_nextn_predict_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
 def make_tiny_eagle(path: Path, target_path: Path, *, eagle3: bool = False, seed: int = 0,
                     draft_vocab_size: int = 200, aux_layers: list[int] | None = None) -> Path:
     """A random EAGLE (or EAGLE-3) head for the tiny Llama at ``target_path``, in the layout vLLM

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from engine_harness import assert_nothing_held, assert_steps_do_not_sync, record_graph_replays
-from helpers_models import add_made_up_mtp_weights, make_tiny_eagle, make_tiny_llama, make_tiny_qwen3_next
+from helpers_models import (add_made_up_deepseek_mtp_weights, add_made_up_mtp_weights, make_tiny_deepseek_v3,
+                            make_tiny_eagle, make_tiny_llama, make_tiny_qwen3_next)
 from weir import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -109,6 +110,19 @@ def test_qwen3_next_mtp_greedy_equal(tmp_path):
     llm, got, _ = run(path, params, {"method": "mtp", "num_speculative_tokens": 2})
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert llm.engine.scheduler.spec.counters.num_draft_tokens > 0
+    assert_nothing_held(llm)
+
+
+def test_deepseek_mtp_greedy_equal_with_graphs(tmp_path):
+    """DeepSeek-V3's next-token module through triton_mla and the Triton MoE, verify graphs and
+    the proposer's graphs replayed."""
+    path = add_made_up_deepseek_mtp_weights(make_tiny_deepseek_v3(tmp_path / "deepseek", with_tokenizer=True))
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    _, want, _ = run(path, params)
+    llm, got, widths = run(path, params, {"method": "mtp", "num_speculative_tokens": 2})
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert llm.engine.scheduler.spec.counters.num_draft_tokens > 0
+    assert 3 in widths  # verify steps of 1 + 2 tokens per request replayed a graph
     assert_nothing_held(llm)
 
 

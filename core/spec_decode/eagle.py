@@ -16,14 +16,15 @@ decode step that ran in a CUDA graph, the passes run in one of their own
 are greedy, verified as one-hot draft distributions (lossless for sampled requests too).
 
 Heads: ``weir.spec_decode.eagle_heads`` (EAGLE and EAGLE-3 checkpoints in the layout vLLM
-loads), and for ``mtp`` the class the target model names as ``mtp_head_class``: Qwen3-Next's
-``mtp.*`` block; a family with a next-token layer at index ``num_hidden_layers`` (DeepSeek-V3)
-gives its own, loading those weights from the target's checkpoint the same way.
+loads), and for ``mtp`` the class the target model names as ``mtp_head_class``, loaded from the
+target's checkpoint names that its ``checkpoint_pattern(hf_config)`` matches: Qwen3-Next's
+``mtp.*`` block, DeepSeek-V3's next-token modules at layer index ``num_hidden_layers`` on.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import torch
@@ -46,8 +47,8 @@ def _load_head(runner, config):
             raise ValueError(f"speculative_config.method 'mtp': {target_cls.__name__} has no multi-token-prediction "
                              f"head (its model class names none as mtp_head_class)")
         model_config = runner.config.model
-        prefix = head_cls.checkpoint_prefix
-        weights = ((name, tensor) for name, tensor in iter_checkpoint(model_config) if name.startswith(prefix))
+        pattern = re.compile(head_cls.checkpoint_pattern(model_config.hf_config))
+        weights = ((name, tensor) for name, tensor in iter_checkpoint(model_config) if pattern.match(name))
         what = f"the MTP head of {model_config.model!r}"
     else:
         from weir.spec_decode.eagle_heads import eagle_head_class

@@ -273,12 +273,13 @@ def is_moe_layer(hf_config: Any, layer_idx: int) -> bool:
 class DeepseekDecoderLayer(nn.Module):
     """Pre-norm block: MLA, then a dense MLP or the MoE."""
 
-    def __init__(self, hf_config: Any, layer_idx: int, attention: MLAAttention):
+    def __init__(self, hf_config: Any, layer_idx: int, attention: MLAAttention, moe: bool | None = None):
+        """``moe``: the MLP's kind; None: as the config places it (``is_moe_layer``)."""
         super().__init__()
         hidden = hf_config.hidden_size
         self.self_attn = attention
-        self.mlp = (DeepseekMoE(hf_config) if is_moe_layer(hf_config, layer_idx)
-                    else DenseMLP(hidden, hf_config.intermediate_size, hf_config.hidden_act))
+        moe = is_moe_layer(hf_config, layer_idx) if moe is None else moe
+        self.mlp = DeepseekMoE(hf_config) if moe else DenseMLP(hidden, hf_config.intermediate_size, hf_config.hidden_act)
         self.input_layernorm = RMSNorm(hidden, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hidden, hf_config.rms_norm_eps)
 
@@ -305,16 +306,113 @@ def mtp_layer_pattern(num_layers: int) -> str:
     return rf"^model\.layers\.(?!(?:{decoder_layers})\.)\d+\."
 
 
+def mla_rotary_of(model_cls: type, hf_config: Any, max_positions: int) -> RotaryEmbedding:
+    """The MLA rotary embedding of ``model_cls``'s checkpoints (its default interleaving where the
+    config says nothing)."""
+    interleaved = getattr(hf_config, "rope_interleave", None)
+    return mla_rotary(hf_config, max_positions,
+                      model_cls.interleaved_rope_default if interleaved is None else bool(interleaved))
+
+
+class DeepseekMTPLayer(DeepseekDecoderLayer):
+    """One next-token-prediction module (checkpoint ``model.layers.{num_hidden_layers + i}.*``):
+    the decoder block, always MoE (as transformers builds it), with its input projection and the
+    norm before the shared head."""
+
+    def __init__(self, hf_config: Any, layer_idx: int, attention: MLAAttention):
+        super().__init__(hf_config, layer_idx, attention, moe=True)
+        hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
+        self.enorm = RMSNorm(hidden, eps)
+        self.hnorm = RMSNorm(hidden, eps)
+        self.eh_proj = Linear(2 * hidden, hidden)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(hidden, eps)
+
+
+class DeepseekV3MTP(nn.Module):
+    """DeepSeek-V3's multi-token-prediction modules as a draft head (``speculative_config``
+    method ``mtp``; models.md 5.1, transformers' ``MtpModel``). A pass at position ``p`` takes the
+    token at ``p + 1`` and a hidden state of ``p`` (the target's final one, post-norm, then the
+    module's own output)::
+
+        x = eh_proj(cat[enorm(embed(token)), hnorm(hidden)])
+        h = block(x)                             # MLA + MoE, its own latent cache
+        logits = lm_head(shared_head.norm(h))
+
+    Pass ``j`` runs module ``j % num_nextn_predict_layers``. A pass after the first takes the
+    previous pass's ``h``, before ``shared_head.norm``: the DeepSeek-V3 report chains depths that
+    way, and vLLM runs them so (transformers drafts one token per module and never chains one).
+    The embedding and the LM head are the target's (``bind_target``). The checkpoint's copies of
+    them in each module are skipped, as transformers skips them.
+    """
+
+    stacked_params = STACKED_PARAMS
+    stacked_param_patterns = PER_EXPERT_PATTERNS
+
+    @staticmethod
+    def checkpoint_pattern(hf_config: Any) -> str:
+        """The checkpoint names this head loads (a regular expression)."""
+        return mtp_layer_pattern(hf_config.num_hidden_layers)
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        hf_config = config.hf_config
+        num_layers = hf_config.num_hidden_layers
+        num_mtp = int(getattr(hf_config, "num_nextn_predict_layers", None) or 0)
+        if num_mtp < 1:
+            raise ValueError("num_nextn_predict_layers is 0 in the config: the checkpoint has no MTP module")
+        self.ignored_checkpoint_patterns = (r"rotary_emb\.inv_freq$",
+                                            r"^model\.layers\.\d+\.(?:shared_head\.head|embed_tokens)\.")
+        self.rotary_emb = mla_rotary_of(DeepseekV3ForCausalLM, hf_config, config.max_model_len)
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleDict({
+            str(layer_idx): DeepseekMTPLayer(hf_config, layer_idx, MLAAttention(hf_config, layer_idx, self.rotary_emb))
+            for layer_idx in range(num_layers, num_layers + num_mtp)})
+        self._target: tuple = ()  # (embed_tokens, lm_head) of the target, not parameters of this module
+
+    def bind_target(self, target: nn.Module) -> None:
+        self._target = (target.model.embed_tokens, target.lm_head)
+
+    def watch_target(self, target: nn.Module) -> None:
+        """Nothing beyond the target's final hidden states is needed."""
+
+    def target_hidden(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        return last_hidden  # [num_tokens, hidden], post-norm
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                ctx: ForwardContext, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the logits' input, the next pass's hidden), both ``[num_tokens, hidden]``."""
+        embed_tokens, _ = self._target
+        layers = list(self.model.layers.values())
+        layer = layers[step % len(layers)]
+        x = layer.eh_proj(torch.cat([layer.enorm(embed_tokens(input_ids)), layer.hnorm(hidden)], dim=-1))
+        x, residual = layer(positions, x, None, ctx)
+        out, chained = layer.shared_head.norm(x, residual)
+        return out, chained
+
+    def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        _, lm_head = self._target
+        return lm_head(hidden).argmax(dim=-1)  # [num_rows]
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self._target[1](hidden_states)
+
+    def attention_layers(self) -> list[MLALayerSpec]:
+        return [layer.self_attn.spec for layer in self.model.layers.values()]
+
+
 class DeepseekV3ForCausalLM(nn.Module):
     """The Weir model contract (``weir.model_interface``) for DeepSeek-V3 checkpoints.
 
-    Not served yet: the MTP layers (skipped at load, with one log line) and FP8 checkpoints
-    (refused when the config is read). Subclasses give sparse layers an indexer (``make_indexer``).
+    The MTP layers are skipped here (as transformers skips them); speculative decoding's ``mtp``
+    method loads them into ``DeepseekV3MTP``, the ``mtp_head_class``. FP8 checkpoints are refused
+    when the config is read. Subclasses give sparse layers an indexer (``make_indexer``).
     """
 
     stacked_params = STACKED_PARAMS
     stacked_param_patterns = PER_EXPERT_PATTERNS
     interleaved_rope_default = True  # DeepSeek-V3's rope_interleave when the config leaves it out
+    mtp_head_class: type[nn.Module] | None = DeepseekV3MTP
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -323,11 +421,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.ignored_checkpoint_patterns = (r"rotary_emb\.inv_freq$", mtp_layer_pattern(num_layers))
         num_mtp = getattr(hf_config, "num_nextn_predict_layers", None) or 0
         if num_mtp:
-            logger.info("%s: the checkpoint's %d MTP layer(s) (model.layers.%d.* on) are not loaded: speculative "
-                        "decoding does not use them yet", type(self).__name__, num_mtp, num_layers)
-        interleaved = getattr(hf_config, "rope_interleave", None)
-        self.rotary_emb = mla_rotary(hf_config, config.max_model_len,
-                                     self.interleaved_rope_default if interleaved is None else bool(interleaved))
+            use = ("speculative_config method 'mtp' loads them as its draft head" if self.mtp_head_class is not None
+                   else "Weir has no draft head for them")
+            logger.info("%s: the checkpoint's %d MTP layer(s) (model.layers.%d.* on) are not part of the model; %s",
+                        type(self).__name__, num_mtp, num_layers, use)
+        self.rotary_emb = mla_rotary_of(type(self), hf_config, config.max_model_len)
         self.model = nn.Module()
         self.model.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         self.model.layers = nn.ModuleList(

@@ -83,9 +83,13 @@ class LightningIndexer(nn.Module):
 
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
-    """DeepSeek-V3.2: every MLA layer sparse, its indexer's RoPE rotate_half (non-interleaved)."""
+    """DeepSeek-V3.2: every MLA layer sparse, its indexer's RoPE rotate_half (non-interleaved).
+
+    Its MTP module is a sparse layer too (an indexer and its key cache of its own), which
+    transformers does not load either: no ``mtp`` draft head yet."""
 
     indexer_rope_interleaved = False
+    mtp_head_class = None
 
     def __init__(self, config: ModelConfig):
         hf_config = config.hf_config

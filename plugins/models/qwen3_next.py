@@ -295,7 +295,11 @@ class Qwen3NextMTP(nn.Module):
     )
     stacked_param_patterns = PER_EXPERT_PATTERNS
     ignored_checkpoint_patterns = (r"rotary_emb\.inv_freq$",)
-    checkpoint_prefix = "mtp."
+
+    @staticmethod
+    def checkpoint_pattern(hf_config) -> str:
+        """The checkpoint names this head loads (a regular expression)."""
+        return r"mtp\."
 
     def __init__(self, config: ModelConfig):
         super().__init__()

@@ -1,0 +1,109 @@
+"""DeepSeek-V3's next-token module as a draft head (``method: mtp``) on a tiny checkpoint with a
+made-up layer at index ``num_hidden_layers``: greedy tokens and logprobs equal to the engine
+without speculation, the head's first draft equal to transformers' ``MtpModel`` with the same
+weights, and its second (a chained pass, which transformers does not make) equal to the same
+modules chained as the DeepSeek-V3 report chains depths."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine_harness import assert_nothing_held
+from helpers_models import add_made_up_deepseek_mtp_weights, make_tiny_deepseek_v3, make_tiny_deepseek_v32
+from test_spec_decode_engine import assert_same_completions, generate
+from weir import LLM, SamplingParams
+
+pytestmark = pytest.mark.integration
+
+MTP = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = make_tiny_deepseek_v3(tmp_path_factory.mktemp("deepseek_mtp"), with_tokenizer=True)
+    return add_made_up_deepseek_mtp_weights(path)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_mtp_keeps_greedy_and_logprobs_exact(checkpoint, async_scheduling):
+    rng = random.Random(3)
+    prompts = [[rng.randrange(0, 256) for _ in range(n)] for n in (3, 17, 30, 41)] + [[9, 8, 7] * 9]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    options = dict(max_num_batched_tokens=16, block_size=4, async_scheduling=async_scheduling)
+    _, want = generate(checkpoint, prompts, params, **options)
+    llm, got = generate(checkpoint, prompts, params, MTP, **options)
+    assert_same_completions(got, want)
+    assert llm.engine.scheduler.spec.counters.num_draft_tokens > 0
+    assert_nothing_held(llm)
+
+
+def test_a_checkpoint_without_mtp_weights_is_refused(tmp_path):
+    path = make_tiny_deepseek_v3(tmp_path / "no_mtp", with_tokenizer=True)
+    with pytest.raises(ValueError, match=r"MTP head.*model\.layers\.3\.eh_proj\.weight"):
+        LLM(str(path), device="cpu", speculative_config=MTP)
+
+
+def test_deepseek_v32_mtp_is_refused_by_name(tmp_path):
+    path = make_tiny_deepseek_v32(tmp_path / "v32", with_tokenizer=True)
+    with pytest.raises(ValueError, match="DeepseekV32ForCausalLM has no multi-token-prediction head"):
+        LLM(str(path), device="cpu", speculative_config=MTP)
+
+
+def test_mtp_drafts_match_a_transformers_reference(checkpoint, monkeypatch):
+    import transformers
+    from transformers.modeling_layers import MtpModel
+
+    llm = LLM(str(checkpoint), device="cpu", dtype="float32", speculative_config=MTP, async_scheduling=False)
+    engine, runner = llm.engine, llm.engine.runner
+    rng = random.Random(6)
+    prompts = [[rng.randrange(0, 256) for _ in range(n)] for n in (13, 5, 22, 9, 17, 30)]
+    for index, prompt in enumerate(prompts):
+        engine.add_request(str(index), {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=4))
+    engine.step()  # every prompt whole in one step, then proposing
+    starts = [0]
+    for prompt in prompts:
+        starts.append(starts[-1] + len(prompt))
+    cases = []
+    for index, prompt in enumerate(prompts):
+        row = runner.table.row_of[str(index)]
+        tokens = runner.table.token_ids.gpu[row, : len(prompt) + 3].tolist()
+        hidden = runner.last_hidden[starts[index]: starts[index + 1]].float()  # [P, hidden], post-norm
+        cases.append((prompt, tokens[len(prompt)], tokens[len(prompt) + 1:], hidden))
+
+    # MtpModel finds a checkpoint's MTP weights through the main model's ignore patterns, which
+    # name layer 61 (the released checkpoints'); the tiny model's module is layer 3.
+    monkeypatch.setattr(transformers.DeepseekV3ForCausalLM, "_keys_to_ignore_on_load_unexpected",
+                        [r"model\.layers\.3\..*"])
+    main = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    mtp = MtpModel.from_pretrained(main).float().eval()
+    layer = mtp.layers[0]
+
+    def block_outputs(input_ids, hidden):
+        """The module over a whole sequence, as transformers drafts with it (position ids of the
+        tokens it is fed): its block's output before the head norm [n, hidden]."""
+        positions = torch.arange(1, len(input_ids) + 1)[None]
+        layer.use_post_norm = False  # the chained hidden is taken before it
+        try:
+            return mtp.forward_layer(0, hidden[None], positions, None, input_ids=torch.tensor(input_ids)[None])[0]
+        finally:
+            layer.use_post_norm = True
+
+    def draft(block_output):
+        return int(mtp._project_to_logits(layer.post_norm(block_output)).argmax())
+
+    with torch.no_grad():
+        for prompt, sampled, weir_drafts, target_hidden in cases:
+            inputs = prompt[1:] + [sampled]  # position p: the token at p + 1
+            out = block_outputs(inputs, target_hidden)
+            first = draft(out[-1])
+            # transformers' own draft (head norm included) agrees with the reference's first
+            drafted, _, _ = mtp(torch.tensor(inputs)[None], target_hidden[None], None,
+                                torch.arange(1, len(inputs) + 1)[None], None)
+            assert int(drafted[0, 0]) == first
+            chained = block_outputs(inputs + [first], torch.cat([target_hidden, out[-1:]]))
+            assert weir_drafts == [first, draft(chained[-1])]
+    while engine.has_unfinished_requests():
+        engine.step()
