@@ -131,6 +131,7 @@ def ngram(args):
         for k in [0] + args.k:
             llm = engine(args.model, args.device, ngram_config(k), **options)
             llm.chat(repeat_prompts(batch), params, use_tqdm=False)  # compiles what the timed run meets
+            llm.reset_prefix_cache()  # the timed run computes its prompts, as vLLM's does
             _, row = timed_generate(llm, repeat_prompts(batch), params, chat=True)
             rows.append({"engine": "weir", "batch": batch, "k": k, **row})
             del llm
@@ -158,9 +159,10 @@ def vllm_ngram_runs(args, k: int) -> list[dict]:
     # Weir stops too.
     params = vllm.SamplingParams(temperature=0, max_tokens=args.output_len,
                                  stop_token_ids=[DEFAULT_MODEL_EOS_TOKEN_ID] if args.model is None else None)
-    llm.chat(repeat_prompts(1), params, use_tqdm=False)  # warm-up
     rows = []
     for batch in args.batch:
+        llm.chat(repeat_prompts(batch), params, use_tqdm=False)  # warm-up, as Weir's
+        llm.reset_prefix_cache()
         before = vllm_spec_counters(llm)
         start = time.perf_counter()
         outputs = llm.chat(repeat_prompts(batch), params, use_tqdm=False)

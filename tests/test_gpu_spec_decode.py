@@ -123,6 +123,10 @@ def test_deepseek_mtp_greedy_equal_with_graphs(tmp_path):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert llm.engine.scheduler.spec.counters.num_draft_tokens > 0
     assert 3 in widths  # verify steps of 1 + 2 tokens per request replayed a graph
+    assert ("proposer", 8, 3) in llm.engine.runner.graphs._named
+    replayed = record_proposer_replays(llm)
+    llm.generate([{"prompt_token_ids": p} for p in prompts(1)], params, use_tqdm=False)
+    assert any(key[2] == 3 for key in replayed)
     assert_nothing_held(llm)
 
 

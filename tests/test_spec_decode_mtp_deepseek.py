@@ -1,8 +1,9 @@
 """DeepSeek-V3's next-token module as a draft head (``method: mtp``) on a tiny checkpoint with a
 made-up layer at index ``num_hidden_layers``: greedy tokens and logprobs equal to the engine
 without speculation, the head's first draft equal to transformers' ``MtpModel`` with the same
-weights, and its second (a chained pass, which transformers does not make) equal to the same
-modules chained as the DeepSeek-V3 report chains depths."""
+weights, and its second (the one module chained on its block's output before the head norm, as
+vLLM's ``deepseek_mtp`` chains it; transformers drafts one token per module) equal to that
+module of transformers' chained so."""
 
 from __future__ import annotations
 

@@ -84,8 +84,9 @@ class NgramProposer:
 
 
 def write_drafts(table, rows: torch.Tensor, drafts: torch.Tensor, counts: torch.Tensor) -> None:
-    """``drafts [M, K]`` into ``token_ids[row, num_tokens[row]:]`` (inside max_model_len) and
-    their number into ``table.num_drafts``; a row's slots past its count keep what they held."""
+    """``drafts [M, K]`` into ``token_ids[row, num_tokens[row]:]`` (all K columns inside
+    max_model_len, those past a row's count too: the n-gram proposer's zeros there) and their
+    number into ``table.num_drafts``. ``rows`` must be distinct: the writes add deltas."""
     token_ids = table.token_ids.gpu
     max_model_len = token_ids.shape[1]
     start = table.num_tokens.gpu[rows].long()  # [M]

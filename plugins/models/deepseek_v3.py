@@ -331,7 +331,7 @@ class DeepseekMTPLayer(DeepseekDecoderLayer):
 
 class DeepseekV3MTP(nn.Module):
     """DeepSeek-V3's multi-token-prediction modules as a draft head (``speculative_config``
-    method ``mtp``; models.md 5.1, transformers' ``MtpModel``). A pass at position ``p`` takes the
+    method ``mtp``; transformers' ``MtpModel``). A pass at position ``p`` takes the
     token at ``p + 1`` and a hidden state of ``p`` (the target's final one, post-norm, then the
     module's own output)::
 
@@ -339,9 +339,12 @@ class DeepseekV3MTP(nn.Module):
         h = block(x)                             # MLA + MoE, its own latent cache
         logits = lm_head(shared_head.norm(h))
 
-    Pass ``j`` runs module ``j % num_nextn_predict_layers``. A pass after the first takes the
-    previous pass's ``h``, before ``shared_head.norm``: the DeepSeek-V3 report chains depths that
-    way, and vLLM runs them so (transformers drafts one token per module and never chains one).
+    Pass ``j`` runs module ``j % num_nextn_predict_layers``, and a pass after the first takes the
+    previous pass's ``h`` before ``shared_head.norm``, as vLLM's ``deepseek_mtp`` runs them. Only
+    the first pass covers the step's tokens, so a second module (no released checkpoint has one)
+    holds KV only of the positions its one-token passes wrote, as in vLLM; drafts stay lossless.
+    transformers differs past the first draft: it chains module ``i`` into module ``i + 1`` on the
+    normed output and drafts one token per module (one, for the released checkpoints).
     The embedding and the LM head are the target's (``bind_target``). The checkpoint's copies of
     them in each module are skipped, as transformers skips them.
     """

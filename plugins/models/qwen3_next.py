@@ -278,9 +278,10 @@ class Qwen3NextModel(nn.Module):
 
 class Qwen3NextMTP(nn.Module):
     """Qwen3-Next's multi-token-prediction block as a draft head (``speculative_config`` method
-    ``mtp``; models.md 3.6). Its weights are the target checkpoint's ``mtp.*``; the embedding and
-    the LM head are the target's own (``bind_target``). A pass at position ``p`` takes the token at
-    ``p + 1`` and a hidden state of ``p`` (the target's final one, post-norm, then its own output)::
+    ``mtp``, in the layout vLLM's ``qwen3_next_mtp`` loads). Its weights are the target
+    checkpoint's ``mtp.*``; the embedding and the LM head are the target's own (``bind_target``).
+    A pass at position ``p`` takes the token at ``p + 1`` and a hidden state of ``p`` (the
+    target's final one, post-norm, then its own output)::
 
         x = mtp.fc(cat[pre_fc_norm_embedding(embed(token)), pre_fc_norm_hidden(hidden)])
         x = mtp.layers[step % num_layers](x)   # gated full attention + MoE, its own KV cache
