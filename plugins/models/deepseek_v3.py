@@ -371,6 +371,7 @@ class DeepseekV3MTP(nn.Module):
         self.model.layers = nn.ModuleDict({
             str(layer_idx): DeepseekMTPLayer(hf_config, layer_idx, MLAAttention(hf_config, layer_idx, self.rotary_emb))
             for layer_idx in range(num_layers, num_layers + num_mtp)})
+        self._modules_in_order = tuple(self.model.layers.values())  # pass j runs [j % num_mtp]
         self._target: tuple = ()  # (embed_tokens, lm_head) of the target, not parameters of this module
 
     def bind_target(self, target: nn.Module) -> None:
@@ -386,8 +387,7 @@ class DeepseekV3MTP(nn.Module):
                 ctx: ForwardContext, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the logits' input, the next pass's hidden), both ``[num_tokens, hidden]``."""
         embed_tokens, _ = self._target
-        layers = list(self.model.layers.values())
-        layer = layers[step % len(layers)]
+        layer = self._modules_in_order[step % len(self._modules_in_order)]
         x = layer.eh_proj(torch.cat([layer.enorm(embed_tokens(input_ids)), layer.hnorm(hidden)], dim=-1))
         x, residual = layer(positions, x, None, ctx)
         out, chained = layer.shared_head.norm(x, residual)
