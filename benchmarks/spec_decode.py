@@ -111,9 +111,9 @@ def ceiling(args):
 
 def repeat_prompts(batch: int) -> list[list[dict]]:
     """Two paragraphs to repeat (about 90 tokens of answer each)."""
-    return [[{"role": "user", "content": f"Repeat these two paragraphs exactly, word for word:\n\n"
-                                         f"{PARAGRAPHS[i % len(PARAGRAPHS)]}\n\n{PARAGRAPHS[(i + 1) % len(PARAGRAPHS)]}"}]
-            for i in range(batch)]
+    pairs = [(PARAGRAPHS[i % len(PARAGRAPHS)], PARAGRAPHS[(i + 1) % len(PARAGRAPHS)]) for i in range(batch)]
+    return [[{"role": "user", "content": f"Repeat these two paragraphs exactly, word for word:\n\n{a}\n\n{b}"}]
+            for a, b in pairs]
 
 
 def ngram_config(k: int) -> dict | None:

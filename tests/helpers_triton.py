@@ -9,6 +9,7 @@ process: ``run_interpreted_checks("test_x", CHECKS)`` imports ``tests/test_x.py`
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -50,6 +51,24 @@ def kernel_check_tests(module_name: str, checks):
         check("cuda")
 
     return interpreted_on_cpu, compiled_on_cuda
+
+
+def kernels_fixture(module_name: str):
+    """A ``kernels`` fixture of (kernel module ``weir.kernels.<module_name>``, device): once with
+    the kernels interpreted on CPU tensors (``interpreted_module``: a private copy, whatever else
+    this process imported), once compiled on a CUDA device (marked gpu). Assign it to ``kernels``
+    in the test module."""
+    needs_cuda = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+    @pytest.fixture(params=["interpreted", pytest.param("cuda", marks=needs_cuda)])
+    def kernels(request):
+        from weir.kernels.dispatch import interpreted_module
+
+        if request.param == "interpreted":
+            return interpreted_module(module_name), torch.device("cpu")
+        return importlib.import_module(f"weir.kernels.{module_name}"), torch.device("cuda")
+
+    return kernels
 
 
 def run_interpreted(module_name: str, function_name: str, expected_checks: list[str], timeout_s: int = 900) -> None:

@@ -56,9 +56,11 @@ def run(path, params, speculative_config=None, **options):
     return llm, outputs, [width for _, width, _ in replays]
 
 
-def record_proposer_replays(llm) -> list:
-    """Keys of the proposer's graph replays from now on (``weir.spec_decode.proposal_graphs``)."""
+def assert_proposer_graphs_replay(llm, params, width: int) -> None:
+    """The draft network's passes after verify steps of ``width`` tokens per request were
+    captured, and another run replays them (``weir.spec_decode.proposal_graphs``)."""
     graphs, keys = llm.engine.runner.graphs, []
+    assert ("proposer", 8, width) in graphs._named
     original = graphs.replay_named
 
     def replay_named(key):
@@ -66,7 +68,8 @@ def record_proposer_replays(llm) -> list:
         return original(key)
 
     graphs.replay_named = replay_named
-    return keys
+    llm.generate([{"prompt_token_ids": p} for p in prompts(1)], params, use_tqdm=False)
+    assert any(key[2] == width for key in keys)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3"])
@@ -86,10 +89,7 @@ def test_greedy_equal_with_graphs(llama_path, tmp_path_factory, method):
         assert counters.num_accepted_tokens == counters.num_draft_tokens
     assert 1 + K in replays  # verification steps replayed the graphs of width 1 + k
     if method != "ngram":  # and the draft network's passes after them replayed theirs
-        assert ("proposer", 8, 1 + K) in llm.engine.runner.graphs._named
-        replayed = record_proposer_replays(llm)
-        llm.generate([{"prompt_token_ids": p} for p in prompts(1)], params, use_tqdm=False)
-        assert any(key[2] == 1 + K for key in replayed)
+        assert_proposer_graphs_replay(llm, params, 1 + K)
     assert_nothing_held(llm)
 
 
@@ -100,33 +100,29 @@ def test_no_implicit_sync_in_the_step_loop(llama_path, tmp_path_factory, method)
     assert_steps_do_not_sync(llm)
 
 
+MTP_CHECKPOINTS = {
+    "qwen3_next": lambda path: add_made_up_mtp_weights(make_tiny_qwen3_next(path, with_tokenizer=True)),
+    "deepseek_v3": lambda path: add_made_up_deepseek_mtp_weights(make_tiny_deepseek_v3(path, with_tokenizer=True)),
+}
+
+
 # It once ran past 480 s with no traceback. The thread method dumps every thread's stack even
 # when the main thread is blocked inside a CUDA call, where a signal handler never runs.
 @pytest.mark.timeout(420, method="thread")
-def test_qwen3_next_mtp_greedy_equal(tmp_path):
-    path = add_made_up_mtp_weights(make_tiny_qwen3_next(tmp_path / "next", with_tokenizer=True))
-    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    _, want, _ = run(path, params)
-    llm, got, _ = run(path, params, {"method": "mtp", "num_speculative_tokens": 2})
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    assert llm.engine.scheduler.spec.counters.num_draft_tokens > 0
-    assert_nothing_held(llm)
-
-
-def test_deepseek_mtp_greedy_equal_with_graphs(tmp_path):
-    """DeepSeek-V3's next-token module through triton_mla and the Triton MoE, verify graphs and
-    the proposer's graphs replayed."""
-    path = add_made_up_deepseek_mtp_weights(make_tiny_deepseek_v3(tmp_path / "deepseek", with_tokenizer=True))
+@pytest.mark.parametrize("family", list(MTP_CHECKPOINTS))
+def test_mtp_greedy_equal(tmp_path, family):
+    """Qwen3-Next's MTP block and DeepSeek-V3's next-token module (through triton_mla and the
+    Triton MoE); DeepSeek's verify steps and the head's passes after them replay graphs
+    (Qwen3-Next's verify steps run eagerly: its DeltaNet layers run per draft position)."""
+    path = MTP_CHECKPOINTS[family](tmp_path / family)
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
     _, want, _ = run(path, params)
     llm, got, widths = run(path, params, {"method": "mtp", "num_speculative_tokens": 2})
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert llm.engine.scheduler.spec.counters.num_draft_tokens > 0
-    assert 3 in widths  # verify steps of 1 + 2 tokens per request replayed a graph
-    assert ("proposer", 8, 3) in llm.engine.runner.graphs._named
-    replayed = record_proposer_replays(llm)
-    llm.generate([{"prompt_token_ids": p} for p in prompts(1)], params, use_tqdm=False)
-    assert any(key[2] == 3 for key in replayed)
+    if family == "deepseek_v3":
+        assert 3 in widths  # verify steps of 1 + 2 tokens per request replayed a graph
+        assert_proposer_graphs_replay(llm, params, 3)
     assert_nothing_held(llm)
 
 

@@ -8,25 +8,16 @@ compiled on a CUDA device (marked ``gpu``).
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
+from helpers_triton import kernels_fixture
 from weir.buffers.staged_write import scatter_flat_torch
-from weir.kernels.dispatch import interpreted_module, triton_importable
+from weir.kernels.dispatch import triton_importable
 from weir.runner import inputs
 
 pytestmark = pytest.mark.skipif(not triton_importable(), reason="Triton is not installed")
-NEEDS_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-
-@pytest.fixture(params=["interpreted", pytest.param("cuda", marks=NEEDS_CUDA)])
-def kernels(request):
-    """(kernel module, device) for one way of running the kernels."""
-    if request.param == "interpreted":
-        return interpreted_module("triton_input_prep"), torch.device("cpu")
-    return importlib.import_module("weir.kernels.triton_input_prep"), torch.device("cuda")
+kernels = kernels_fixture("triton_input_prep")
 
 
 def random_batch(seed, num_reqs, max_query_len, max_model_len, num_pad_reqs=0, num_pad_tokens=0,

@@ -6,23 +6,15 @@ reserved null block, the kernel skips it. So slot 0 is compared separately.
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
+from helpers_triton import kernels_fixture
 from weir.kernels import kv_store
-from weir.kernels.dispatch import interpreted_module, triton_importable
+from weir.kernels.dispatch import triton_importable
 
 pytestmark = pytest.mark.skipif(not triton_importable(), reason="Triton is not installed")
-NEEDS_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-
-@pytest.fixture(params=["interpreted", pytest.param("cuda", marks=NEEDS_CUDA)])
-def kernels(request):
-    if request.param == "interpreted":
-        return interpreted_module("triton_kv_store"), torch.device("cpu")
-    return importlib.import_module("weir.kernels.triton_kv_store"), torch.device("cuda")
+kernels = kernels_fixture("triton_kv_store")
 
 
 def fused_qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype, device, gen):

@@ -6,25 +6,17 @@ Each comparison runs interpreted on CPU tensors and compiled on a CUDA device (m
 
 from __future__ import annotations
 
-import importlib
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from weir.kernels.dispatch import interpreted_module, triton_importable
+from helpers_triton import kernels_fixture
+from weir.kernels.dispatch import triton_importable
 from weir.spec_decode.ngram import propose_ngram, write_drafts
 
 pytestmark = pytest.mark.skipif(not triton_importable(), reason="Triton is not installed")
-NEEDS_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-
-@pytest.fixture(params=["interpreted", pytest.param("cuda", marks=NEEDS_CUDA)])
-def kernels(request):
-    """(kernel module, device) for one way of running the kernel."""
-    if request.param == "interpreted":
-        return interpreted_module("triton_ngram"), torch.device("cpu")
-    return importlib.import_module("weir.kernels.triton_ngram"), torch.device("cuda")
+kernels = kernels_fixture("triton_ngram")
 
 
 def repetitive_table(seed: int, num_rows: int, max_model_len: int, vocab: int):

@@ -14,7 +14,7 @@ from helpers_models import make_tiny_eagle
 from test_spec_decode_engine import assert_same_completions, repetitive_prompts
 from weir import LLM, SamplingParams
 from weir.runner import model_runner
-from weir.spec_decode import draft_model, eagle
+from weir.spec_decode import draft_model, eagle, proposal_graphs
 
 pytestmark = pytest.mark.integration
 
@@ -85,8 +85,9 @@ def test_eagle_graph_passes_draft_what_the_eager_ones_draft(tiny_llama_path, tmp
     speculative = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2}
     written = []
     write_drafts = eagle.write_drafts
-    monkeypatch.setattr(eagle, "write_drafts", lambda table, rows, drafts, counts: (
-        written.append(drafts.tolist()), write_drafts(table, rows, drafts, counts)))
+    for module in (eagle, proposal_graphs):  # the eager passes' writes, and the graph passes'
+        monkeypatch.setattr(module, "write_drafts", lambda table, rows, drafts, counts: (
+            written.append(drafts.tolist()), write_drafts(table, rows, drafts, counts)))
     eager = LLM(str(tiny_llama_path), device="cpu", dtype="float32", speculative_config=speculative).generate(
         [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     eager_drafts, written[:] = list(written), []

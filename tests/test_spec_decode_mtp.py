@@ -1,7 +1,10 @@
-"""Qwen3-Next's MTP block as a draft head (``method: mtp``) on a tiny checkpoint with made-up
-``mtp.*`` weights: greedy tokens and logprobs equal to the engine without speculation (its
-DeltaNet state keeps nothing of rejected drafts), and the head's first drafts equal to those of
-a reference built from transformers' own Qwen3-Next layer with the same weights."""
+"""The target's own multi-token-prediction weights as a draft head (``method: mtp``), on tiny
+checkpoints with made-up MTP weights of Qwen3-Next (``mtp.*``) and DeepSeek-V3 (the module at
+layer ``num_hidden_layers``): greedy tokens and logprobs equal to the engine without speculation
+(Qwen3-Next's DeltaNet state keeps nothing of rejected drafts), a checkpoint without the weights
+refused by name; and Qwen3-Next's first drafts equal to those of a reference built from
+transformers' own Qwen3-Next layer with the same weights (DeepSeek's reference:
+``test_spec_decode_mtp_deepseek``)."""
 
 from __future__ import annotations
 
@@ -11,37 +14,50 @@ import pytest
 import torch
 
 from engine_harness import assert_nothing_held
-from helpers_models import add_made_up_mtp_weights, make_tiny_qwen3_next
+from helpers_models import (add_made_up_deepseek_mtp_weights, add_made_up_mtp_weights, make_tiny_deepseek_v3,
+                            make_tiny_qwen3_next)
 from test_spec_decode_engine import assert_same_completions, generate
 from weir import LLM, SamplingParams
 
 pytestmark = pytest.mark.integration
 
 MTP = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+# family -> (tiny checkpoint, its made-up MTP weights, the missing weight a bare checkpoint is refused for)
+FAMILIES = {
+    "qwen3_next": (make_tiny_qwen3_next, add_made_up_mtp_weights, r"mtp\.fc\.weight"),
+    "deepseek_v3": (make_tiny_deepseek_v3, add_made_up_deepseek_mtp_weights, r"model\.layers\.3\.eh_proj\.weight"),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_checkpoint(request, tmp_path_factory):
+    make, add_mtp_weights, _ = FAMILIES[request.param]
+    return add_mtp_weights(make(tmp_path_factory.mktemp(request.param), with_tokenizer=True))
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = make_tiny_qwen3_next(tmp_path_factory.mktemp("qwen3_next_mtp"), with_tokenizer=True)
-    return add_made_up_mtp_weights(path)
+    return add_made_up_mtp_weights(make_tiny_qwen3_next(tmp_path_factory.mktemp("qwen3_next_mtp"), with_tokenizer=True))
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_mtp_keeps_greedy_and_logprobs_exact(checkpoint, async_scheduling):
+def test_mtp_keeps_greedy_and_logprobs_exact(family_checkpoint, async_scheduling):
     rng = random.Random(2)
     prompts = [[rng.randrange(0, 256) for _ in range(n)] for n in (3, 17, 30, 41)] + [[9, 8, 7] * 9]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
     options = dict(max_num_batched_tokens=16, block_size=4, async_scheduling=async_scheduling)
-    _, want = generate(checkpoint, prompts, params, **options)
-    llm, got = generate(checkpoint, prompts, params, MTP, **options)
+    _, want = generate(family_checkpoint, prompts, params, **options)
+    llm, got = generate(family_checkpoint, prompts, params, MTP, **options)
     assert_same_completions(got, want)
     assert llm.engine.scheduler.spec.counters.num_draft_tokens > 0
     assert_nothing_held(llm)
 
 
-def test_a_checkpoint_without_mtp_weights_is_refused(tmp_path):
-    path = make_tiny_qwen3_next(tmp_path / "no_mtp", with_tokenizer=True)
-    with pytest.raises(ValueError, match="MTP head.*mtp.fc.weight"):
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_checkpoint_without_mtp_weights_is_refused(tmp_path, family):
+    make, _, missing = FAMILIES[family]
+    path = make(tmp_path / "no_mtp", with_tokenizer=True)
+    with pytest.raises(ValueError, match="MTP head.*" + missing):
         LLM(str(path), device="cpu", speculative_config=MTP)
 
 

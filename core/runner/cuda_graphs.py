@@ -155,8 +155,9 @@ class CudaGraphs:
         mixed = (f", {num_mixed} mixed-step ones (up to {max(max(s) for s in self._mixed.values())} tokens)"
                  if num_mixed else "")
         named = f", {len(self._named)} of a proposer's passes" if self._named else ""
-        logger.info("captured %d decode CUDA graphs (batch 1..%d%s)%s%s in %.1f s, %.2f GiB", len(self.graphs) - num_mixed,
-                    self.capture_sizes[-1], ", each run eagerly first" if eager_first else "", mixed, named,
+        eager = ", each run eagerly first" if eager_first else ""
+        logger.info("captured %d decode CUDA graphs (batch 1..%d%s)%s%s in %.1f s, %.2f GiB",
+                    len(self.graphs) - num_mixed, self.capture_sizes[-1], eager, mixed, named,
                     time.perf_counter() - start, self.pool_bytes / 2**30)
 
     def capture(self, batch_size: int, forward: Callable[[], torch.Tensor], width: int = 1,

@@ -19,6 +19,8 @@ probabilities to keep.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import torch
 
@@ -27,7 +29,8 @@ from weir.layers.moe import FusedExperts
 from weir.runner.inputs import prepare_step_inputs
 from weir.spec_decode.draft_caches import DraftCaches, step_starts
 from weir.spec_decode.ngram import write_drafts
-from weir.spec_decode.proposal_graphs import per_row, proposals, runs_in_a_graph, step_layout
+from weir.spec_decode.proposal_graphs import (one_token_passes, per_row, runs_in_a_graph, step_layout,
+                                              write_graph_proposals)
 from weir.weights import iter_checkpoint
 from weir.weights.loader import load_model
 
@@ -54,8 +57,7 @@ class DraftModelProposer:
     def propose(self, table, rows: torch.Tensor, max_len: int, plan, sampled: np.ndarray, graph_mode: str = "off",
                 **_) -> None:
         if runs_in_a_graph(plan, sampled):
-            drafts = proposals(self.runner, plan, graph_mode, lambda size, width: self._graph_passes(table, size, width))
-            write_drafts(table, rows, drafts[: plan.num_reqs], torch.full_like(rows, self.num_speculative_tokens))
+            write_graph_proposals(self.runner, table, rows, plan, graph_mode, partial(self._graph_passes, table))
             return
         runner = self.runner
         device, pin = runner.device, runner.pin_memory
@@ -116,12 +118,9 @@ class DraftModelProposer:
         last = (query_start_loc[:size].long() + known - 1 - starts).clamp(0, num_tokens - 1)
         draft = self.model.compute_logits(hidden[last]).argmax(dim=-1)  # [P]
         drafts = [draft]
-        one_each = torch.arange(size + 1, dtype=torch.int32, device=rows.device)
-        for step in range(1, self.num_speculative_tokens):
-            position = (known - 1 + step).clamp_min(0)  # padding rows know no token
-            ctx = self.caches.device_context(rows, one_each, position, position + 1, 1, max_model_len,
-                                             has_unowned_tokens=False)
-            hidden = self.model(draft, position.clamp_max(max_model_len - 1), ctx)
+        for _, position, ctx in one_token_passes(self.caches, rows, known - 1, self.num_speculative_tokens,
+                                                 max_model_len):
+            hidden = self.model(draft, position, ctx)
             draft = self.model.compute_logits(hidden).argmax(dim=-1)
             drafts.append(draft)
         return torch.stack(drafts, dim=1)  # [P, k]

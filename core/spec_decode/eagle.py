@@ -15,16 +15,18 @@ decode step that ran in a CUDA graph, the passes run in one of their own
 (``weir.spec_decode.proposal_graphs``), reading the hidden states the step's graph gave. Drafts
 are greedy, verified as one-hot draft distributions (lossless for sampled requests too).
 
-Heads: ``weir.spec_decode.eagle_heads`` (EAGLE and EAGLE-3 checkpoints in the layout vLLM
-loads), and for ``mtp`` the class the target model names as ``mtp_head_class``, loaded from the
-target's checkpoint names that its ``checkpoint_pattern(hf_config)`` matches: Qwen3-Next's
-``mtp.*`` block, DeepSeek-V3's next-token modules at layer index ``num_hidden_layers`` on.
+Heads (their contract: ``weir.spec_decode.draft_head``): ``weir.spec_decode.eagle_heads``
+(EAGLE and EAGLE-3 checkpoints in the layout vLLM loads), and for ``mtp`` the class the target
+model names as ``mtp_head_class``, loaded from the target's checkpoint names that its
+``checkpoint_pattern(hf_config)`` matches: Qwen3-Next's ``mtp.*`` block, DeepSeek-V3's
+next-token modules at layer index ``num_hidden_layers`` on.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from functools import partial
 
 import numpy as np
 import torch
@@ -33,7 +35,8 @@ from weir.buffers import host_to_device
 from weir.runner.inputs import prepare_step_inputs
 from weir.spec_decode.draft_caches import DraftCaches, step_starts
 from weir.spec_decode.ngram import write_drafts
-from weir.spec_decode.proposal_graphs import per_row, proposals, runs_in_a_graph, step_layout
+from weir.spec_decode.proposal_graphs import (one_token_passes, per_row, runs_in_a_graph, step_layout,
+                                              write_graph_proposals)
 from weir.weights import iter_checkpoint
 from weir.weights.loader import load_model
 
@@ -80,8 +83,7 @@ class HiddenStateProposer:
     def propose(self, table, rows: torch.Tensor, max_len: int, plan, sampled: np.ndarray, graph_mode: str = "off",
                 **_) -> None:
         if runs_in_a_graph(plan, sampled):
-            drafts = proposals(self.runner, plan, graph_mode, lambda size, width: self._graph_passes(table, size, width))
-            write_drafts(table, rows, drafts[: plan.num_reqs], torch.full_like(rows, self.num_speculative_tokens))
+            write_graph_proposals(self.runner, table, rows, plan, graph_mode, partial(self._graph_passes, table))
             return
         runner, head = self.runner, self.head
         device, pin = runner.device, runner.pin_memory
@@ -136,12 +138,9 @@ class HiddenStateProposer:
         draft = head.draft_tokens(logits_hidden[last])  # [P]
         hidden = hidden[last]
         drafts = [draft]
-        one_each = torch.arange(size + 1, dtype=torch.int32, device=rows.device)
-        for step in range(1, self.num_speculative_tokens):
-            position = (known - 2 + step).clamp_min(0)  # padding rows know no token
-            ctx = self.caches.device_context(rows, one_each, position, position + 1, 1, max_model_len,
-                                             has_unowned_tokens=False)
-            logits_hidden, hidden = head(draft, position.clamp_max(max_model_len - 1), hidden, ctx, step)
+        for step, position, ctx in one_token_passes(self.caches, rows, known - 2, self.num_speculative_tokens,
+                                                    max_model_len):
+            logits_hidden, hidden = head(draft, position, hidden, ctx, step)
             draft = head.draft_tokens(logits_hidden)
             drafts.append(draft)
         return torch.stack(drafts, dim=1)  # [P, k]

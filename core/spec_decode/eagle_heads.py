@@ -25,6 +25,7 @@ from torch import nn
 
 from weir.layers import (QKV_GATE_UP_STACKED_PARAMS, GatedMLP, LMHead, Linear, QKVLinear, RMSNorm, RopeSelfAttention,
                          RotaryEmbedding, VocabEmbedding, head_dim_of, num_kv_heads_of)
+from weir.spec_decode.draft_head import TargetSharedHead
 
 
 class _PassThroughNorm(nn.Module):
@@ -73,29 +74,15 @@ def checkpoint_names(model_config) -> set[str]:
     return {name.removeprefix("model.") for name in names}
 
 
-class _HeadBase(nn.Module):
+class _HeadBase(TargetSharedHead):
     stacked_params = QKV_GATE_UP_STACKED_PARAMS
     ignored_checkpoint_patterns = (r"rotary_emb\.inv_freq$", r"(^|\.)t2d$")
 
-    def _shared(self) -> tuple[nn.Module, nn.Module]:
-        embed, lm_head = self._target
-        return (self.embed_tokens if self.embed_tokens is not None else embed,
-                self.lm_head if self.lm_head is not None else lm_head)
+    def embedding(self) -> nn.Module:
+        return self.embed_tokens if self.embed_tokens is not None else super().embedding()
 
-    def bind_target(self, target: nn.Module) -> None:
-        self._target = (target.model.embed_tokens, target.lm_head)
-
-    def watch_target(self, target: nn.Module) -> None:
-        """Nothing beyond the target's final hidden states is needed."""
-
-    def target_hidden(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        return last_hidden
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._shared()[1](hidden)
-
-    def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.compute_logits(hidden).argmax(dim=-1)
+    def output_head(self) -> nn.Module:
+        return self.lm_head if self.lm_head is not None else super().output_head()
 
 
 class EagleLlamaHead(_HeadBase):
@@ -112,10 +99,9 @@ class EagleLlamaHead(_HeadBase):
         self.norm = RMSNorm(hidden, hf_config.rms_norm_eps) if flags["norm"] else None
         self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hidden) if flags["embed"] else None
         self.lm_head = LMHead(hidden, hf_config.vocab_size) if flags["lm_head"] else None
-        self._target: tuple = ()
 
     def forward(self, input_ids, positions, hidden, ctx, step: int):
-        embeds = self._shared()[0](input_ids)  # [num_tokens, hidden]
+        embeds = self.embedding()(input_ids)  # [num_tokens, hidden]
         x = self.fc(torch.cat([embeds, hidden], dim=-1))
         residual = None
         for layer in self.layers:
@@ -160,7 +146,6 @@ class Eagle3LlamaHead(_HeadBase):
         self.d2t = nn.Parameter(torch.zeros(draft_vocab, dtype=torch.int64), requires_grad=False) \
             if flags["d2t"] else None
         self.aux_layer_ids = tuple(flags["aux_layers"] or ())  # empty: vLLM's default, once the target is known
-        self._target: tuple = ()
         self._aux: dict[int, torch.Tensor] = {}
 
     def process_weights_after_loading(self) -> None:
@@ -204,7 +189,7 @@ class Eagle3LlamaHead(_HeadBase):
         if hidden.shape[-1] != self.norm.weight.shape[0]:
             hidden = self.fc(hidden)  # the target's three streams, first pass
         residual = hidden
-        embeds = layer.input_layernorm(self._shared()[0](input_ids))
+        embeds = layer.input_layernorm(self.embedding()(input_ids))
         x = layer.self_attn(positions, torch.cat([embeds, layer.hidden_norm(hidden)], dim=-1), ctx)
         x, residual = layer.post_attention_layernorm(x, residual)
         x = layer.mlp(x)

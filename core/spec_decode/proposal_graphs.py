@@ -18,10 +18,12 @@ row's block tables); their drafts are dropped. The longest sequence is baked as
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
+
+from weir.spec_decode.ngram import write_drafts
 
 
 def runs_in_a_graph(plan, sampled: np.ndarray) -> bool:
@@ -30,18 +32,22 @@ def runs_in_a_graph(plan, sampled: np.ndarray) -> bool:
     return plan.graph_size is not None and plan.graph_tokens is None and len(sampled) == plan.num_reqs
 
 
-def proposals(runner, plan, graph_mode: str, passes: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
-    """Drafts ``[size, k]`` of a graph-planned step: ``passes(size, width)`` run eagerly ("warm",
-    or no graph of this shape), recorded then replayed ("capture"), or replayed ("auto")."""
+def write_graph_proposals(runner, table, rows: torch.Tensor, plan, graph_mode: str,
+                          passes: Callable[[int, int], torch.Tensor]) -> None:
+    """Drafts ``[size, k]`` of a graph-planned step, written for its real requests ``rows``:
+    ``passes(size, width)`` run eagerly ("warm", or no graph of this shape), recorded then
+    replayed ("capture"), or replayed ("auto")."""
     size, width = plan.graph_size, plan.graph_width
     graphs = runner.graphs
     key = ("proposer", size, width)
-    if graphs is None or graph_mode in ("warm", "off"):
-        return passes(size, width)
-    if graph_mode == "capture":
-        graphs.capture_named(key, lambda: passes(size, width))
-    drafts = graphs.replay_named(key)
-    return passes(size, width) if drafts is None else drafts
+    drafts = None
+    if graphs is not None and graph_mode not in ("warm", "off"):
+        if graph_mode == "capture":
+            graphs.capture_named(key, lambda: passes(size, width))
+        drafts = graphs.replay_named(key)
+    if drafts is None:
+        drafts = passes(size, width)
+    write_drafts(table, rows, drafts[: plan.num_reqs], torch.full_like(rows, drafts.shape[1]))
 
 
 def step_layout(runner, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -60,3 +66,16 @@ def per_row(table, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     row's first position. Padding requests share one row, and write equal values to it."""
     like = table.num_computed_tokens.gpu
     return torch.zeros_like(like).index_copy_(0, rows, values.to(like.dtype))
+
+
+def one_token_passes(caches, rows: torch.Tensor, position_before: torch.Tensor, num_speculative_tokens: int,
+                     max_model_len: int) -> Iterator[tuple[int, torch.Tensor, object]]:
+    """The ``k - 1`` one-token passes after the first, over the padded batch ``rows [P]``: for
+    each ``step``, the position each request's pass runs at (``position_before + step``; padding
+    rows, which know no token, clamped to 0) clamped inside ``max_model_len``, and its context
+    (``caches``: the proposer's ``DraftCaches``)."""
+    one_each = torch.arange(rows.shape[0] + 1, dtype=torch.int32, device=rows.device)  # one token per request
+    for step in range(1, num_speculative_tokens):
+        position = (position_before + step).clamp_min(0)  # [P]
+        ctx = caches.device_context(rows, one_each, position, position + 1, 1, max_model_len, has_unowned_tokens=False)
+        yield step, position.clamp_max(max_model_len - 1), ctx

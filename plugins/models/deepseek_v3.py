@@ -32,6 +32,7 @@ from weir.layers.moe import PER_EXPERT_PATTERNS, FusedExperts
 from weir.layers.rotary import InterleavedRotaryEmbedding, rope_parameters_of
 from weir.mla import IndexerInputs, MLALayerSpec
 from weir.moe import Routing
+from weir.spec_decode.draft_head import TargetSharedHead
 
 logger = logging.getLogger(__name__)
 
@@ -279,7 +280,8 @@ class DeepseekDecoderLayer(nn.Module):
         hidden = hf_config.hidden_size
         self.self_attn = attention
         moe = is_moe_layer(hf_config, layer_idx) if moe is None else moe
-        self.mlp = DeepseekMoE(hf_config) if moe else DenseMLP(hidden, hf_config.intermediate_size, hf_config.hidden_act)
+        self.mlp = (DeepseekMoE(hf_config) if moe
+                    else DenseMLP(hidden, hf_config.intermediate_size, hf_config.hidden_act))
         self.input_layernorm = RMSNorm(hidden, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hidden, hf_config.rms_norm_eps)
 
@@ -329,7 +331,7 @@ class DeepseekMTPLayer(DeepseekDecoderLayer):
         self.shared_head.norm = RMSNorm(hidden, eps)
 
 
-class DeepseekV3MTP(nn.Module):
+class DeepseekV3MTP(TargetSharedHead):
     """DeepSeek-V3's multi-token-prediction modules as a draft head (``speculative_config``
     method ``mtp``; transformers' ``MtpModel``). A pass at position ``p`` takes the
     token at ``p + 1`` and a hidden state of ``p`` (the target's final one, post-norm, then the
@@ -371,34 +373,17 @@ class DeepseekV3MTP(nn.Module):
         self.model.layers = nn.ModuleDict({
             str(layer_idx): DeepseekMTPLayer(hf_config, layer_idx, MLAAttention(hf_config, layer_idx, self.rotary_emb))
             for layer_idx in range(num_layers, num_layers + num_mtp)})
-        self._modules_in_order = tuple(self.model.layers.values())  # pass j runs [j % num_mtp]
-        self._target: tuple = ()  # (embed_tokens, lm_head) of the target, not parameters of this module
-
-    def bind_target(self, target: nn.Module) -> None:
-        self._target = (target.model.embed_tokens, target.lm_head)
-
-    def watch_target(self, target: nn.Module) -> None:
-        """Nothing beyond the target's final hidden states is needed."""
-
-    def target_hidden(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        return last_hidden  # [num_tokens, hidden], post-norm
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                 ctx: ForwardContext, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the logits' input, the next pass's hidden), both ``[num_tokens, hidden]``."""
-        embed_tokens, _ = self._target
-        layer = self._modules_in_order[step % len(self._modules_in_order)]
+        embed_tokens = self.embedding()
+        modules = list(self.model.layers.values())
+        layer = modules[step % len(modules)]
         x = layer.eh_proj(torch.cat([layer.enorm(embed_tokens(input_ids)), layer.hnorm(hidden)], dim=-1))
         x, residual = layer(positions, x, None, ctx)
         out, chained = layer.shared_head.norm(x, residual)
         return out, chained
-
-    def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        _, lm_head = self._target
-        return lm_head(hidden).argmax(dim=-1)  # [num_rows]
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self._target[1](hidden_states)
 
     def attention_layers(self) -> list[MLALayerSpec]:
         return [layer.self_attn.spec for layer in self.model.layers.values()]

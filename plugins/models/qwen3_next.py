@@ -26,6 +26,7 @@ from weir.layers.moe import PER_EXPERT_PATTERNS, FusedExperts
 from weir.layers.norm import GatedRMSNorm, ZeroCenteredRMSNorm
 from weir.linear_attention import GatedDeltaNetLayerSpec
 from weir.moe import Routing
+from weir.spec_decode.draft_head import TargetSharedHead
 
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 
@@ -276,7 +277,7 @@ class Qwen3NextModel(nn.Module):
         return hidden_states
 
 
-class Qwen3NextMTP(nn.Module):
+class Qwen3NextMTP(TargetSharedHead):
     """Qwen3-Next's multi-token-prediction block as a draft head (``speculative_config`` method
     ``mtp``, in the layout vLLM's ``qwen3_next_mtp`` loads). Its weights are the target
     checkpoint's ``mtp.*``; the embedding and the LM head are the target's own (``bind_target``).
@@ -317,33 +318,16 @@ class Qwen3NextMTP(nn.Module):
             Qwen3NextDecoderLayer(hf_config, hf_config.num_hidden_layers + i, FULL_ATTENTION, self.rotary_emb)
             for i in range(num_layers))
         self.mtp.norm = ZeroCenteredRMSNorm(hidden, hf_config.rms_norm_eps)
-        self._target: tuple = ()  # (embed_tokens, lm_head) of the target, not parameters of this module
-
-    def bind_target(self, target: nn.Module) -> None:
-        self._target = (target.model.embed_tokens, target.lm_head)
-
-    def watch_target(self, target: nn.Module) -> None:
-        """Nothing beyond the target's final hidden states is needed."""
-
-    def target_hidden(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        return last_hidden  # [num_tokens, hidden], post-norm
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                 ctx: ForwardContext, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        embed_tokens, _ = self._target
+        embed_tokens = self.embedding()
         embeds = self.mtp.pre_fc_norm_embedding(embed_tokens(input_ids))  # [num_tokens, hidden]
         x = self.mtp.fc(torch.cat([embeds, self.mtp.pre_fc_norm_hidden(hidden)], dim=-1))
         layer = self.mtp.layers[step % len(self.mtp.layers)]
         x, residual = layer(positions, x, None, ctx)
         out, _ = self.mtp.norm(x, residual)
         return out, out
-
-    def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        _, lm_head = self._target
-        return lm_head(hidden).argmax(dim=-1)  # [num_rows]
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self._target[1](hidden_states)
 
     def attention_layers(self) -> list[AttentionLayerSpec]:
         return [layer.self_attn.attn.spec for layer in self.mtp.layers]
