@@ -315,3 +315,26 @@ def test_no_room_for_state_on_the_cpu_gives_advice_that_applies_there(checkpoint
     with pytest.raises(ValueError, match=r"no room for linear-attention state.*free host memory: on the CPU the "
                                          r"state slots come out of the default cache allowance.*at most 40% of the available RAM"):
         LLM(str(checkpoint), device="cpu", kv_cache_memory_bytes=10**8)
+
+
+def test_long_max_model_len_takes_state_slots_rather_than_failing(checkpoint, monkeypatch):
+    """The state slots are sized after setting aside the KV cache of one request of max_model_len:
+    with room for eight slots in half of the allowance, but then too little KV cache left for one
+    request of 512 tokens, the engine starts with fewer slots instead (Kimi Linear's 1M default)."""
+    from weir.plugins.platforms.cpu import CpuPlatform
+    from weir.runner.kv_sizing import one_request_kv_bytes
+
+    probe = LLM(str(checkpoint), device="cpu", dtype="float32", max_num_seqs=8, max_model_len=512)
+    per_slot, one_request = probe.engine.runner.linear_state.bytes_per_slot, one_request_kv_bytes(probe.engine.runner)
+    del probe
+    assert one_request >= 20 * per_slot  # so that half the allowance below holds 8 slots and the padding one
+    # Eight slots and the padding one (9 x per_slot) would leave one_request - per_slot: too little.
+    allowance = one_request + 8 * per_slot
+    monkeypatch.setattr(CpuPlatform, "default_kv_cache_bytes", lambda self, weight_bytes: allowance)
+    llm = LLM(str(checkpoint), device="cpu", dtype="float32", max_num_seqs=8, max_model_len=512)
+    runner = llm.engine.runner
+    assert runner.num_state_slots == 3  # half of the 8 slots' worth left after one request's KV, less the padding slot
+    assert (runner.num_blocks[0] - 1) * runner.block_size >= 512
+    prompts = [{"prompt_token_ids": [5 + i] * (100 + 50 * i)} for i in range(5)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [4] * 5

@@ -69,6 +69,26 @@ def split_blocks(budget: int, bytes_per_block: list[int], caps: list[int]) -> li
     return [min(low, cap) for cap in caps]
 
 
+def group_windows(runner) -> list[int | None]:
+    """Each paged group's window as the KV cache must keep it (None: full attention)."""
+    config = runner.config
+    # Under speculation a windowed group keeps the blocks of drafts still being verified too (the
+    # device's next query may start that many tokens earlier): the window reaches back that far.
+    lookback = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+    return [None if group.sliding_window is None else group.sliding_window + lookback
+            for group in runner.caches.groups]
+
+
+def one_request_kv_bytes(runner) -> int:
+    """Bytes of a KV cache that holds one request of ``max_model_len`` (with each group's null
+    block), draft layers left out: the least the paged caches must get. The state slots of a
+    hybrid model are sized after setting this aside (``ModelRunner._state_room_bytes``)."""
+    scheduler = runner.config.scheduler
+    return sum((blocks_one_request_needs(window, runner.block_size, scheduler.max_model_len,
+                                         scheduler.max_num_batched_tokens) + 1) * runner.caches.bytes_per_block(group)
+               for window, group in zip(group_windows(runner), runner.caches.groups))
+
+
 def size_kv_cache(runner) -> KVSizing:
     config = runner.config
     scheduler, cache = config.scheduler, config.cache
@@ -76,10 +96,7 @@ def size_kv_cache(runner) -> KVSizing:
     budget, graph_reserve = _budget_bytes(runner)
     bytes_per_block = [runner.caches.bytes_per_block(group) + runner.extra_kv_bytes_per_block(g)
                        for g, group in enumerate(groups)]
-    # Under speculation a windowed group keeps the blocks of drafts still being verified too (the
-    # device's next query may start that many tokens earlier): the window reaches back that far.
-    lookback = config.speculative.num_speculative_tokens if config.speculative is not None else 0
-    windows = [None if group.sliding_window is None else group.sliding_window + lookback for group in groups]
+    windows = group_windows(runner)
     caps = [useful_blocks(window, runner.block_size, runner.max_running_reqs, runner.max_blocks_per_req,
                           scheduler.max_num_batched_tokens) for window in windows]
     needed_blocks = [blocks_one_request_needs(window, runner.block_size, scheduler.max_model_len,

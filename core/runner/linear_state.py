@@ -1,7 +1,8 @@
 """The slot-indexed state of a hybrid model's linear-attention layers, as the runner holds it.
 
 Sizing rule: one slot per schedulable request (``max_num_seqs``), unless that would take more
-than half of the memory left after the weights; then as many as fit in that half (the
+than half of the memory left after the weights and the KV cache's least (one request of
+``max_model_len``, or ``kv_cache_memory_bytes``); then as many as fit in that half (the
 scheduler's slot pool then caps how many requests run at once). The KV cache gets what is
 left after the state; with prefix caching, the state checkpoints come out of the KV cache's
 budget (``weir.runner.checkpoint_sizing``).
@@ -41,8 +42,9 @@ class LinearAttentionState:
         if self.num_slots < 1:
             raise ValueError(
                 f"no room for linear-attention state: one request needs {self.bytes_per_slot / 2**20:.1f} MiB "
-                f"across {len(layers)} layers, and half of the {room_bytes / GiB:.2f} GiB left after the weights "
-                f"is less than two of those (one is the padding slot); {remedy}")
+                f"across {len(layers)} layers, and half of the {max(room_bytes, 0) / GiB:.2f} GiB left after the "
+                f"weights and the KV cache of one request of max_model_len (or kv_cache_memory_bytes) is less than "
+                f"two of those (one is the padding slot); {remedy}")
         if self.num_slots < max_num_seqs:
             logger.warning("linear-attention state for %d requests would not fit: %d state slots, so at most %d "
                            "requests run at once", max_num_seqs, self.num_slots, self.num_slots)

@@ -38,7 +38,7 @@ from weir.runner.async_output import AsyncOutput
 from weir.runner.cuda_graphs import CudaGraphs, default_capture_sizes, mixed_capture_lens, mixed_graph_shapes
 from weir.runner.input_buffers import InputBuffers, StepPlan, plan_step
 from weir.runner.inputs import gather_block_tables_and_slot_mapping, post_update, prepare_step_inputs
-from weir.runner.kv_sizing import size_kv_cache
+from weir.runner.kv_sizing import one_request_kv_bytes, size_kv_cache
 from weir.runner.layer_caches import LayerCaches
 from weir.runner.linear_state import LinearAttentionState
 from weir.runner.request_table import RequestTable
@@ -166,11 +166,17 @@ class ModelRunner:
         return self.linear_state.num_slots
 
     def _state_room_bytes(self) -> int:
-        """Memory the state slots and the KV cache share: what is left after the weights."""
+        """Memory the state slots share with the activations and the rest of the KV cache: what
+        is left after the weights and the KV cache's least (``kv_cache_memory_bytes`` when given,
+        else one request of ``max_model_len``), so that a long ``max_model_len`` (Kimi Linear's
+        default is 1,048,576 tokens) takes state slots away rather than failing the start-up."""
         if self.device.type == "cpu":
-            return self.platform.default_kv_cache_bytes(self.weight_bytes)
-        free, total = self.platform.memory_info()
-        return int(total * self.config.cache.gpu_memory_utilization) - (total - free)
+            left = self.platform.default_kv_cache_bytes(self.weight_bytes)
+        else:
+            free, total = self.platform.memory_info()
+            left = int(total * self.config.cache.gpu_memory_utilization) - (total - free)
+        asked = self.config.cache.kv_cache_memory_bytes
+        return left - (asked if asked is not None else one_request_kv_bytes(self))
 
     @property
     def padding_state_slot(self) -> int | None:
