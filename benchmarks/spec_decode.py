@@ -10,7 +10,8 @@
   at each batch size and ``k`` against no speculation in the same run, and the mean step time.
 - ``ngram``: the real default model repeating paragraphs (greedy), with and without n-gram drafts;
   ``--vllm`` runs vLLM on the same prompts too, without drafts and with the largest ``k``, each
-  engine in a child process of its own after Weir's runs.
+  engine in a child process of its own after Weir's runs. vLLM reads no GGUF here, so with
+  ``--vllm`` both engines run a bf16 safetensors copy of the GGUF made in OUT_DIR.
 - ``verify-cost``: the time of a decode step that verifies ``k`` drafts against a plain decode
   step (n-gram slots, adaptive off, so every step verifies ``k`` whatever they hold): for a MoE
   model at a large batch one step reads nearly every expert either way.
@@ -150,15 +151,9 @@ def vllm_ngram_runs(args, k: int) -> list[dict]:
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     import vllm
 
-    from weir.default_model import DEFAULT_MODEL_EOS_TOKEN_ID, default_model_path
-
-    model = args.model or str(default_model_path())
-    llm = vllm.LLM(model=model, max_model_len=1024, max_num_seqs=max(args.batch), seed=0,
+    llm = vllm.LLM(model=args.model, max_model_len=1024, max_num_seqs=max(args.batch), seed=0,
                    speculative_config=ngram_config(k), disable_log_stats=False, gpu_memory_utilization=0.5)
-    # The GGUF's tokenizer names <|im_start|> as its eos; the chat turn ends at <|im_end|>, where
-    # Weir stops too.
-    params = vllm.SamplingParams(temperature=0, max_tokens=args.output_len,
-                                 stop_token_ids=[DEFAULT_MODEL_EOS_TOKEN_ID] if args.model is None else None)
+    params = vllm.SamplingParams(temperature=0, max_tokens=args.output_len)
     rows = []
     for batch in args.batch:
         llm.chat(repeat_prompts(batch), params, use_tqdm=False)  # warm-up, as Weir's
@@ -177,6 +172,38 @@ def vllm_ngram_runs(args, k: int) -> list[dict]:
             row |= {"draft_tokens": drafts, "accepted": accepted, "acceptance_rate": accepted / max(drafts, 1)}
         rows.append(row)
     return rows
+
+
+def safetensors_copy_of_default_model(out_dir: Path) -> Path:
+    """The built-in SmolLM2 GGUF as a bf16 safetensors folder in OUT_DIR (made once): the Q4_1
+    weights dequantized by transformers, its tokenizer and chat template, and ``<|im_end|>`` as
+    the eos (the chat turn's end, where the GGUF run stops too)."""
+    folder = out_dir / "SmolLM2-135M-Instruct-bf16"
+    if (folder / "model.safetensors").is_file():
+        return folder
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from weir.default_model import DEFAULT_MODEL_EOS_TOKEN_ID, ensure_default_model
+
+    gguf = ensure_default_model()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    if model.config.eos_token_id != DEFAULT_MODEL_EOS_TOKEN_ID:
+        raise SystemExit(f"transformers read eos {model.config.eos_token_id} from the GGUF; expected "
+                         f"{DEFAULT_MODEL_EOS_TOKEN_ID} (<|im_end|>)")
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    if model.config.tie_word_embeddings:  # safetensors stores a tensor once
+        state.pop("lm_head.weight", None)
+    # save_pretrained refuses a model transformers loaded from a GGUF (it counts as quantized).
+    model.config.__dict__.pop("quantization_config", None)
+    model.config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})  # last: marks the folder done
+    return folder
 
 
 def vllm_spec_counters(llm) -> dict:
@@ -273,6 +300,9 @@ def main() -> None:
     args.batch = [int(b) for b in (args.batch or ("1,4" if cpu and args.workload != "adaptive" else batch)).split(",")]
     args.k = [int(k) for k in args.k.split(",")]
     args.output_len = args.output_len or (min(output_len, 64) if cpu else output_len)
+    if args.workload == "ngram" and args.model is None and (args.vllm or args.vllm_child is not None):
+        # vLLM here reads no GGUF: both engines run one safetensors copy of the default model.
+        args.model = str(safetensors_copy_of_default_model(args.out_dir))
     if args.vllm_child is not None:
         args.vllm_result.write_text(json.dumps(vllm_ngram_runs(args, args.vllm_child)))
         return

@@ -188,6 +188,18 @@ _DEEPSEEK = dict(
 _DSA = dict(index_n_heads=32, index_head_dim=16, index_topk=8)
 
 
+# DeepSeek shapes the CUDA kernels take (triton_mla: kv_lora_rank, qk_rope_head_dim and
+# index_head_dim powers of two >= 16; 8 heads fill half of its smallest head block, the rest
+# masked); 16 experts in 4 groups (2 kept), top 4. The rest is ``_DEEPSEEK``: q LoRA, a dense
+# first layer, one shared expert, a random correction bias, YaRN from 128 positions. No pad
+# token: transformers zeroes its embedding row, and a generated pad token's zero indexer query
+# scores every key 0, a tie whose top-k is any implementation's choice.
+DEEPSEEK_TRITON_SHAPES = dict(
+    hidden_size=256, intermediate_size=256, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=64,
+    kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16,
+    num_experts_per_tok=4, moe_intermediate_size=128, pad_token_id=None)
+
+
 def make_tiny_deepseek_v3(path: Path, *, seed: int = 0, with_tokenizer: bool = False, **overrides: Any) -> Path:
     """DeepSeek-V3 (``_DEEPSEEK``), a random non-zero ``e_score_correction_bias``; ``q_lora_rank=None``
     gives the plain ``q_proj`` variant."""

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from engine_harness import assert_nothing_held, assert_steps_do_not_sync, record_graph_replays
-from helpers_models import make_tiny_deepseek_v3, make_tiny_deepseek_v32, make_tiny_glm_moe_dsa
+from helpers_models import (DEEPSEEK_TRITON_SHAPES, make_tiny_deepseek_v3, make_tiny_deepseek_v32,
+                            make_tiny_glm_moe_dsa)
 from helpers_parity import SLACK, Fp32Reference, assert_fp32_run
 from weir import LLM, SamplingParams
 from weir.testing import transformers_greedy
@@ -27,15 +28,7 @@ NUM_TOKENS = 32
 PARAMS = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
 MLA_SLACK = SLACK["float32"]  # no linear-attention states to round
 
-# Shapes the kernels take (triton_mla: kv_lora_rank, qk_rope_head_dim and index_head_dim powers
-# of two >= 16; 8 heads fill half of its smallest head block, the rest masked); 16 experts in 4
-# groups (2 kept), top 4. The rest is helpers_models' DeepSeek: q LoRA, a dense first layer, one
-# shared expert, a random correction bias, YaRN from 128 positions (the prompts reach 282).
-# No pad token: transformers zeroes its embedding row, and a generated pad token's zero indexer
-# query scores every key 0, a tie whose top-k is any implementation's choice.
-SHAPES = dict(hidden_size=256, intermediate_size=256, num_attention_heads=8, num_key_value_heads=8,
-              q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-              n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=128, pad_token_id=None)
+SHAPES = DEEPSEEK_TRITON_SHAPES  # the prompts below reach 282 positions, past YaRN's original 128
 # DSA: each query keeps 16 keys of up to 282; 32 indexer heads of 32 dims (RoPE on the first 16).
 DSA = dict(index_n_heads=32, index_head_dim=32, index_topk=16)
 MAKERS = {

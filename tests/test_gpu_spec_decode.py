@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine_harness import assert_nothing_held, assert_steps_do_not_sync, record_graph_replays
-from helpers_models import (add_made_up_deepseek_mtp_weights, add_made_up_mtp_weights, make_tiny_deepseek_v3,
-                            make_tiny_eagle, make_tiny_llama, make_tiny_qwen3_next)
+from helpers_models import (DEEPSEEK_TRITON_SHAPES, add_made_up_deepseek_mtp_weights, add_made_up_mtp_weights,
+                            make_tiny_deepseek_v3, make_tiny_eagle, make_tiny_llama, make_tiny_qwen3_next)
 from weir import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -102,7 +102,8 @@ def test_no_implicit_sync_in_the_step_loop(llama_path, tmp_path_factory, method)
 
 MTP_CHECKPOINTS = {
     "qwen3_next": lambda path: add_made_up_mtp_weights(make_tiny_qwen3_next(path, with_tokenizer=True)),
-    "deepseek_v3": lambda path: add_made_up_deepseek_mtp_weights(make_tiny_deepseek_v3(path, with_tokenizer=True)),
+    "deepseek_v3": lambda path: add_made_up_deepseek_mtp_weights(  # triton_mla's shapes: 16+ rope dims
+        make_tiny_deepseek_v3(path, with_tokenizer=True, **DEEPSEEK_TRITON_SHAPES)),
 }
 
 
