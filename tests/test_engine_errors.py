@@ -90,6 +90,13 @@ def test_kv_cache_too_small_for_max_model_len(tiny_llama_path):
     with pytest.raises(ValueError, match=r"0 blocks of 16 tokens, fewer than one request of max_model_len=256 "
                                          r"needs \(16\)"):
         LLM(str(tiny_llama_path), device="cpu", max_model_len=256, kv_cache_memory_bytes=4096)
+    # A budget of 5 blocks (the null one among them) holds 64 of the 256 tokens: the error says so,
+    # and that max_model_len then starts.
+    per_block = 2 * 2 * 2 * 16 * 16 * 4  # 2 layers x (K, V) x 2 KV heads x 16 dims x 16 tokens, fp32
+    with pytest.raises(ValueError, match=r"4 blocks of 16 tokens, fewer than one request of max_model_len=256 "
+                                         r"needs \(16\) \(about max_model_len=64 fits\)"):
+        LLM(str(tiny_llama_path), device="cpu", max_model_len=256, kv_cache_memory_bytes=5 * per_block)
+    LLM(str(tiny_llama_path), device="cpu", max_model_len=64, kv_cache_memory_bytes=5 * per_block)
 
 
 def test_invalid_engine_option_values(tiny_llama_path):

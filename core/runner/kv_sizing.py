@@ -114,11 +114,14 @@ def size_kv_cache(runner) -> KVSizing:
         num_blocks = split_blocks(max(budget, 0), bytes_per_block, caps)
     for group, blocks, needed in zip(groups, num_blocks, needed_blocks):
         if blocks - 1 < needed:
+            # How much of one full-attention request the budget holds (vLLM's error estimates it too).
+            fits = max(blocks - 1, 0) * runner.block_size
+            estimate = f" (about max_model_len={fits} fits)" if group.sliding_window is None and fits else ""
             raise ValueError(
                 f"the KV cache budget ({budget / GiB:.2f} GiB) gives the cache group of {group.describe()} "
                 f"{max(blocks - 1, 0)} blocks of {runner.block_size} tokens, fewer than one request of "
-                f"max_model_len={scheduler.max_model_len} needs ({needed}); raise kv_cache_memory_bytes (or "
-                f"gpu_memory_utilization) or lower "
+                f"max_model_len={scheduler.max_model_len} needs ({needed}){estimate}; raise kv_cache_memory_bytes "
+                f"(or gpu_memory_utilization) or lower "
                 f"{'max_model_len' if group.sliding_window is None else 'max_model_len or max_num_batched_tokens'}")
     total = sum(blocks * per_block for blocks, per_block in zip(num_blocks, bytes_per_block))
     logger.info("KV cache: %.2f GiB%s; %s", total / GiB, f" of a {budget / GiB:.2f} GiB budget" if budget > total else "",
