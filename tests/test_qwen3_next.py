@@ -338,3 +338,29 @@ def test_long_max_model_len_takes_state_slots_rather_than_failing(checkpoint, mo
     prompts = [{"prompt_token_ids": [5 + i] * (100 + 50 * i)} for i in range(5)]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [4] * 5
+
+
+def test_a_max_model_len_past_the_memory_fails_at_kv_sizing_with_what_fits(checkpoint, monkeypatch):
+    """One request's KV cache larger than the room left: the engine keeps one state slot, so the
+    start-up fails at KV sizing, whose error names max_model_len and what of it fits (not the
+    state's "no room" error, whose remedy would not help)."""
+    from weir.plugins.platforms.cpu import CpuPlatform
+    from weir.runner.kv_sizing import one_request_kv_bytes
+
+    probe = LLM(str(checkpoint), device="cpu", dtype="float32", max_num_seqs=8, max_model_len=512)
+    one_request = one_request_kv_bytes(probe.engine.runner)
+    del probe
+    monkeypatch.setattr(CpuPlatform, "default_kv_cache_bytes", lambda self, weight_bytes: one_request // 2)
+    with pytest.raises(ValueError, match=r"fewer than one request of max_model_len=512 needs \(32\) "
+                                         r"\(about max_model_len=\d+ fits\)"):
+        LLM(str(checkpoint), device="cpu", dtype="float32", max_num_seqs=8, max_model_len=512)
+
+
+def test_kv_cache_memory_bytes_on_the_cpu_is_not_drawn_from_the_state_allowance(checkpoint):
+    """On the CPU an explicit KV size comes on top of the default allowance the state slots draw
+    from: a KV cache larger than that allowance leaves every slot in place."""
+    llm = LLM(str(checkpoint), device="cpu", dtype="float32", max_num_seqs=8, kv_cache_memory_bytes=600 * 2**20)
+    assert llm.engine.runner.num_state_slots == 8
+    outputs = llm.generate([{"prompt_token_ids": [7] * 20}], SamplingParams(temperature=0, max_tokens=3,
+                                                                             ignore_eos=True), use_tqdm=False)
+    assert len(outputs[0].outputs[0].token_ids) == 3

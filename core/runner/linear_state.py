@@ -2,10 +2,11 @@
 
 Sizing rule: one slot per schedulable request (``max_num_seqs``), unless that would take more
 than half of the memory left after the weights and the KV cache's least (one request of
-``max_model_len``, or ``kv_cache_memory_bytes``); then as many as fit in that half (the
-scheduler's slot pool then caps how many requests run at once). The KV cache gets what is
-left after the state; with prefix caching, the state checkpoints come out of the KV cache's
-budget (``weir.runner.checkpoint_sizing``).
+``max_model_len``, or ``kv_cache_memory_bytes`` on an accelerator; see
+``ModelRunner._state_room_bytes``); then as many as fit in that half (the scheduler's slot pool
+then caps how many requests run at once). The KV cache gets what is left after the state; with
+prefix caching, the state checkpoints come out of the KV cache's budget
+(``weir.runner.checkpoint_sizing``).
 
 State copies (prefix caching): an admitted request whose hit resumes from a checkpoint gets the
 checkpoint copied into its slot instead of zeros, before the step's forward; a request whose
@@ -30,6 +31,12 @@ logger = logging.getLogger(__name__)
 GiB = 2**30
 
 
+def state_bytes_per_slot(layers: list[StateCacheSpec],
+                         backend_of: Callable[[StateCacheSpec], LinearAttentionBackend]) -> int:
+    """Bytes one request's state takes across the linear-attention ``layers``."""
+    return sum(backend_of(layer).state_bytes_per_slot(layer) for layer in layers)
+
+
 class LinearAttentionState:
     """``layer_states[layer_idx]`` for every linear-attention layer (None elsewhere)."""
 
@@ -37,14 +44,13 @@ class LinearAttentionState:
                  num_layers: int, max_num_seqs: int, room_bytes: int,
                  remedy: str = "raise gpu_memory_utilization or use a device with more memory"):
         """``backend_of(layer)``: the backend serving the layer's kind, which allocates its state."""
-        self.bytes_per_slot = sum(backend_of(layer).state_bytes_per_slot(layer) for layer in layers)
+        self.bytes_per_slot = state_bytes_per_slot(layers, backend_of)
         self.num_slots = min(max_num_seqs, (room_bytes // 2) // self.bytes_per_slot - 1)  # - 1: the padding slot
         if self.num_slots < 1:
             raise ValueError(
                 f"no room for linear-attention state: one request needs {self.bytes_per_slot / 2**20:.1f} MiB "
-                f"across {len(layers)} layers, and half of the {max(room_bytes, 0) / GiB:.2f} GiB left after the "
-                f"weights and the KV cache of one request of max_model_len (or kv_cache_memory_bytes) is less than "
-                f"two of those (one is the padding slot); {remedy}")
+                f"across {len(layers)} layers, and half of the {max(room_bytes, 0) / GiB:.2f} GiB left for the state, "
+                f"the activations and the KV cache is less than two of those (one is the padding slot); {remedy}")
         if self.num_slots < max_num_seqs:
             logger.warning("linear-attention state for %d requests would not fit: %d state slots, so at most %d "
                            "requests run at once", max_num_seqs, self.num_slots, self.num_slots)

@@ -40,7 +40,7 @@ from weir.runner.input_buffers import InputBuffers, StepPlan, plan_step
 from weir.runner.inputs import gather_block_tables_and_slot_mapping, post_update, prepare_step_inputs
 from weir.runner.kv_sizing import one_request_kv_bytes, size_kv_cache
 from weir.runner.layer_caches import LayerCaches
-from weir.runner.linear_state import LinearAttentionState
+from weir.runner.linear_state import LinearAttentionState, state_bytes_per_slot
 from weir.runner.request_table import RequestTable
 from weir.runner.warmup import compile_kernel_variants
 from weir.sample import Sampler
@@ -167,16 +167,24 @@ class ModelRunner:
 
     def _state_room_bytes(self) -> int:
         """Memory the state slots share with the activations and the rest of the KV cache: what
-        is left after the weights and the KV cache's least (``kv_cache_memory_bytes`` when given,
-        else one request of ``max_model_len``), so that a long ``max_model_len`` (Kimi Linear's
-        default is 1,048,576 tokens) takes state slots away rather than failing the start-up."""
+        is left after the weights and the KV cache's least, so that a long ``max_model_len``
+        (Kimi Linear's default is 1,048,576 tokens) takes state slots away rather than failing
+        the start-up. The least is one request of ``max_model_len``, or ``kv_cache_memory_bytes``
+        when given on an accelerator (on the CPU that size is not drawn from the allowance)."""
+        asked = self.config.cache.kv_cache_memory_bytes
         if self.device.type == "cpu":
             left = self.platform.default_kv_cache_bytes(self.weight_bytes)
+            least = one_request_kv_bytes(self) if asked is None else 0
         else:
             free, total = self.platform.memory_info()
             left = int(total * self.config.cache.gpu_memory_utilization) - (total - free)
-        asked = self.config.cache.kv_cache_memory_bytes
-        return left - (asked if asked is not None else one_request_kv_bytes(self))
+            least = one_request_kv_bytes(self) if asked is None else asked
+        per_slot = state_bytes_per_slot(self.caches.state_layers, self.caches.backend_of)
+        if (left - least) // 2 < 2 * per_slot <= left // 2:
+            # The KV cache's least leaves no room for one slot and the padding one: keep room for
+            # those, so that the start-up fails at KV sizing, whose error says what max_model_len fits.
+            return 4 * per_slot
+        return left - least
 
     @property
     def padding_state_slot(self) -> int | None:
