@@ -182,7 +182,7 @@ class ModelRunner:
         per_slot = state_bytes_per_slot(self.caches.state_layers, self.caches.backend_of)
         if (left - least) // 2 < 2 * per_slot <= left // 2:
             # The KV cache's least leaves no room for one slot and the padding one: keep room for
-            # those, so that the start-up fails at KV sizing, whose error says what max_model_len fits.
+            # those and let KV sizing judge, whose error says what max_model_len fits.
             return 4 * per_slot
         return left - least
 
