@@ -334,6 +334,9 @@ def test_long_max_model_len_takes_state_slots_rather_than_failing(checkpoint, mo
     llm = LLM(str(checkpoint), device="cpu", dtype="float32", max_num_seqs=8, max_model_len=512)
     runner = llm.engine.runner
     assert runner.num_state_slots == 3  # half of the 8 slots' worth left after one request's KV, less the padding slot
+    # No more requests run than slots: the request table and the sampler have that many rows
+    # (the 5 prompts below take turns in them).
+    assert runner.table.max_num_reqs == runner.sampler.states.max_num_reqs == 3
     assert (runner.num_blocks[0] - 1) * runner.block_size >= 512
     prompts = [{"prompt_token_ids": [5 + i] * (100 + 50 * i)} for i in range(5)]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)

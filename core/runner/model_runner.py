@@ -83,16 +83,18 @@ class ModelRunner:
         self.moe_backend = choose_moe_backend()() if uses_moe else None
         logger.info("backends: attention %s%s", self.caches.describe_backends(),
                     f"; MoE {self.moe_backend.name}" if uses_moe else "")
-        self.sampler = Sampler(config.scheduler.max_num_seqs, config.model.vocab_size, self.device, self.pin_memory)
         self.use_graphs = (platform.supports_graphs and self.caches.supports_cuda_graphs
                            and (self.moe_backend is None or self.moe_backend.supports_cuda_graphs)
                            and not config.enforce_eager and config.cudagraph_mode != "none"
                            and self.device.type == "cuda")
 
         self.num_state_slots = self._allocate_state_slots()
-        # A hybrid model runs at most one request per state slot: no step holds more requests.
+        # A hybrid model runs at most one request per state slot: no step holds more requests, so
+        # the request table, the sampler and the step buffers have that many rows (the table's
+        # token ids are rows x max_model_len: 4 GiB at 1,024 rows and a 1M context).
         self.max_running_reqs = min(config.scheduler.max_num_seqs,
                                     self.num_state_slots or config.scheduler.max_num_seqs)
+        self.sampler = Sampler(self.max_running_reqs, config.model.vocab_size, self.device, self.pin_memory)
         self.max_graph_batch = min(self.max_running_reqs, 512)
         # Token slots per request of each graph family: decode, and under speculation verification
         # too (not for linear-attention models, whose verify steps run their layers per position).
@@ -108,14 +110,14 @@ class ModelRunner:
         self.mixed_graph_shapes = (mixed_graph_shapes(config.scheduler.max_num_batched_tokens, self.max_running_reqs,
                                                       self.max_model_len) if mixed else [])
         self.table = RequestTable(
-            max_num_reqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
+            max_num_reqs=self.max_running_reqs, max_model_len=self.max_model_len,
             max_blocks_per_req=self.max_blocks_per_req, device=self.device, pin_memory=self.pin_memory, num_block_groups=len(self.caches.groups),
             padding_state_slot=self.padding_state_slot,
         )
         # A decode graph under speculation holds 1 + k tokens per request.
         tokens_per_decode = 1 + (config.speculative.num_speculative_tokens if config.speculative else 0)
         self.inputs = InputBuffers(
-            max_num_reqs=config.scheduler.max_num_seqs,
+            max_num_reqs=self.max_running_reqs,
             max_num_tokens=max(config.scheduler.max_num_batched_tokens, self.max_graph_batch * tokens_per_decode),
             num_groups=len(self.caches.groups), max_blocks_per_req=self.max_blocks_per_req,
             device=self.device, pin_memory=self.pin_memory, has_state=bool(self.caches.state_layers))

@@ -61,7 +61,8 @@ class RequestTable:
 
     def add(self, new: NewRequestData) -> int:
         if not self.free_rows:
-            raise RuntimeError("request table is full: more running requests than max_num_seqs")
+            raise RuntimeError(f"request table is full: more running requests than its {self.max_num_reqs} rows "
+                               "(max_num_seqs, or a hybrid model's state slots)")
         row = self.free_rows.pop()
         self.row_of[new.req_id] = row
         self.token_ids.stage(row, new.prefill_token_ids)
