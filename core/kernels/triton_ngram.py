@@ -4,9 +4,8 @@
 match rule (the longest suffix first; of its occurrences the latest one followed by
 ``num_drafts`` known tokens, else the earliest), the same drafts written after each row's known
 tokens inside ``max_model_len``, and the same counts. The torch version launches well over a
-hundred small ops a step, which on an accelerator costs more host time than the verify step of
-a small model computes; here one program handles one sampled row. The grid and every loop bound
-come from host integers, so nothing synchronises.
+hundred small ops a step; here one program handles one sampled row. The grid and every loop
+bound come from host integers, so nothing synchronises.
 """
 
 from __future__ import annotations

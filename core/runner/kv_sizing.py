@@ -79,14 +79,27 @@ def group_windows(runner) -> list[int | None]:
             for group in runner.caches.groups]
 
 
-def one_request_kv_bytes(runner) -> int:
-    """Bytes of a KV cache that holds one request of ``max_model_len`` (with each group's null
-    block), draft layers left out: the least the paged caches must get. The state slots of a
-    hybrid model are sized after setting this aside (``ModelRunner._state_room_bytes``)."""
+def one_request_blocks(runner) -> list[int]:
+    """Per paged group, the blocks (null block excluded) one request of ``max_model_len`` holds."""
     scheduler = runner.config.scheduler
-    return sum((blocks_one_request_needs(window, runner.block_size, scheduler.max_model_len,
-                                         scheduler.max_num_batched_tokens) + 1) * runner.caches.bytes_per_block(group)
-               for window, group in zip(group_windows(runner), runner.caches.groups))
+    return [blocks_one_request_needs(window, runner.block_size, scheduler.max_model_len,
+                                     scheduler.max_num_batched_tokens) for window in group_windows(runner)]
+
+
+def least_paged_bytes(needed_blocks: list[int], bytes_per_block: list[int], caps: list[int] | None = None) -> int:
+    """Bytes the paged groups take once the neediest holds one request: ``split_blocks`` gives
+    every group the same count (null block included) or its cap if smaller (None: no caps)."""
+    most_needed = max(needed_blocks) + 1
+    caps = caps or [most_needed] * len(needed_blocks)
+    return sum(min(most_needed, cap) * per_block for cap, per_block in zip(caps, bytes_per_block))
+
+
+def one_request_kv_bytes(runner) -> int:
+    """The least the paged caches must get, before the running-request caps are known (so
+    uncapped) and draft layers left out: the state slots of a hybrid model are sized after
+    setting this aside (``ModelRunner._state_room_bytes``)."""
+    return least_paged_bytes(one_request_blocks(runner),
+                             [runner.caches.bytes_per_block(group) for group in runner.caches.groups])
 
 
 def size_kv_cache(runner) -> KVSizing:
@@ -96,18 +109,14 @@ def size_kv_cache(runner) -> KVSizing:
     budget, graph_reserve = _budget_bytes(runner)
     bytes_per_block = [runner.caches.bytes_per_block(group) + runner.extra_kv_bytes_per_block(g)
                        for g, group in enumerate(groups)]
-    windows = group_windows(runner)
     caps = [useful_blocks(window, runner.block_size, runner.max_running_reqs, runner.max_blocks_per_req,
-                          scheduler.max_num_batched_tokens) for window in windows]
-    needed_blocks = [blocks_one_request_needs(window, runner.block_size, scheduler.max_model_len,
-                                              scheduler.max_num_batched_tokens) for window in windows]
+                          scheduler.max_num_batched_tokens) for window in group_windows(runner)]
+    needed_blocks = one_request_blocks(runner)
     checkpoint_bytes = runner.linear_state.bytes_per_slot if (
         cache.enable_prefix_caching and runner.linear_state is not None) else 0
     num_checkpoints = 0
     if checkpoint_bytes:
-        # Every group gets the same count or its cap: what the neediest group needs, for all of them.
-        most_needed = max(needed_blocks) + 1
-        min_paged = sum(min(most_needed, cap) * per_block for cap, per_block in zip(caps, bytes_per_block))
+        min_paged = least_paged_bytes(needed_blocks, bytes_per_block, caps)
         num_blocks, num_checkpoints = split_with_checkpoints(
             max(budget, 0), checkpoint_bytes, min_paged, lambda paged: split_blocks(paged, bytes_per_block, caps))
     else:

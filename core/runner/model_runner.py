@@ -181,12 +181,10 @@ class ModelRunner:
             free, total = self.platform.memory_info()
             left = int(total * self.config.cache.gpu_memory_utilization) - (total - free)
             least = one_request_kv_bytes(self) if asked is None else asked
-        per_slot = state_bytes_per_slot(self.caches.state_layers, self.caches.backend_of)
-        if (left - least) // 2 < 2 * per_slot <= left // 2:
-            # The KV cache's least leaves no room for one slot and the padding one: keep room for
-            # those and let KV sizing judge, whose error says what max_model_len fits.
-            return 4 * per_slot
-        return left - least
+        # Where the least leaves no room for one slot and the padding one, room for those (when
+        # there is) lets the start-up reach KV sizing, whose error says what max_model_len fits.
+        one_slot = 4 * state_bytes_per_slot(self.caches.state_layers, self.caches.backend_of)  # x 2: the half rule
+        return max(left - least, min(left, one_slot))
 
     @property
     def padding_state_slot(self) -> int | None:

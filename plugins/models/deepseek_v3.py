@@ -369,6 +369,7 @@ class DeepseekV3MTP(TargetSharedHead):
         self.ignored_checkpoint_patterns = (r"rotary_emb\.inv_freq$",
                                             r"^model\.layers\.\d+\.(?:shared_head\.head|embed_tokens)\.")
         self.rotary_emb = mla_rotary_of(DeepseekV3ForCausalLM, hf_config, config.max_model_len)
+        self.first_layer = num_layers  # the modules' checkpoint indices: num_layers on
         self.model = nn.Module()
         self.model.layers = nn.ModuleDict({
             str(layer_idx): DeepseekMTPLayer(hf_config, layer_idx, MLAAttention(hf_config, layer_idx, self.rotary_emb))
@@ -378,8 +379,7 @@ class DeepseekV3MTP(TargetSharedHead):
                 ctx: ForwardContext, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the logits' input, the next pass's hidden), both ``[num_tokens, hidden]``."""
         embed_tokens = self.embedding()
-        modules = list(self.model.layers.values())
-        layer = modules[step % len(modules)]
+        layer = self.model.layers[str(self.first_layer + step % len(self.model.layers))]
         x = layer.eh_proj(torch.cat([layer.enorm(embed_tokens(input_ids)), layer.hnorm(hidden)], dim=-1))
         x, residual = layer(positions, x, None, ctx)
         out, chained = layer.shared_head.norm(x, residual)
