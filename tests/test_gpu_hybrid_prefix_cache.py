@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from engine_harness import assert_nothing_held, watch_engine
+from engine_harness import assert_nothing_held, record_graph_replays, watch_engine
 from helpers_models import make_tiny_qwen3_next
 from weir import LLM, SamplingParams
 from weir.testing import transformers_greedy
@@ -114,3 +114,30 @@ def test_checkpoint_copies_are_exact_and_never_sync():
         assert not live.conv_state[0].any() and not live.recurrent_state[0].any()  # admitted without a hit
         assert torch.equal(live.conv_state[3], expected_loaded[index])
         assert torch.equal(kept.recurrent_state[0], expected_saved[index])
+
+
+def test_checkpoints_saved_in_verify_graphs_hold_the_committed_state(checkpoint):
+    """Under speculation a chunk of at most ``1 + k`` tokens runs in a verify-width graph, whose
+    linear-attention rows move their slots only when verification commits them: a checkpoint at
+    the chunk's end must be saved after that (a state saved before it would be the chunk's
+    start, and the hit resuming from it would change the greedy tokens). A 61-token budget cuts
+    the 64-token junction's chunk to 3 tokens. fp32, so the tokens must be equal."""
+    cases = sequence()
+    prompts = [prompt for prompt, _ in cases]
+
+    def generate(**options):
+        llm = LLM(str(checkpoint), dtype="float32", block_size=BLOCK, max_num_batched_tokens=61,
+                  gpu_memory_utilization=0.3, max_model_len=512, **options)
+        replays = record_graph_replays(llm)
+        outputs = [llm.generate([{"prompt_token_ids": p}], PARAMS, use_tqdm=False)[0] for p in prompts]
+        assert_nothing_held(llm)
+        del llm
+        torch.cuda.empty_cache()
+        return outputs, {width for _, width, _ in replays}
+
+    want, _ = generate(enable_prefix_caching=False)
+    got, widths = generate(enable_prefix_caching=True, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    assert 4 in widths  # chunks and verify steps of up to 1 + 3 tokens ran in verify graphs
+    assert [o.num_cached_tokens for o in got] == [hit for _, hit in cases]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

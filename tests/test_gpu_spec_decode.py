@@ -113,18 +113,42 @@ MTP_CHECKPOINTS = {
 @pytest.mark.parametrize("family", list(MTP_CHECKPOINTS))
 def test_mtp_greedy_equal(tmp_path, family):
     """Qwen3-Next's MTP block and DeepSeek-V3's next-token module (through triton_mla and the
-    Triton MoE); DeepSeek's verify steps and the head's passes after them replay graphs
-    (Qwen3-Next's verify steps run eagerly: its DeltaNet layers run per draft position)."""
+    Triton MoE); verify steps and the head's passes after them replay graphs (Qwen3-Next's
+    DeltaNet layers inside them run per draft position on a scratch state)."""
     path = MTP_CHECKPOINTS[family](tmp_path / family)
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
     _, want, _ = run(path, params)
     llm, got, widths = run(path, params, {"method": "mtp", "num_speculative_tokens": 2})
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert llm.engine.scheduler.spec.counters.num_draft_tokens > 0
-    if family == "deepseek_v3":
-        assert 3 in widths  # verify steps of 1 + 2 tokens per request replayed a graph
-        assert_proposer_graphs_replay(llm, params, 3)
+    assert 3 in widths  # verify steps of 1 + 2 tokens per request replayed a graph
+    assert_proposer_graphs_replay(llm, params, 3)
     assert_nothing_held(llm)
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_linear_attention_ngram_greedy_equal(tmp_path, graphs):
+    """A hybrid model's verify steps, in width graphs and eagerly: its DeltaNet state keeps only
+    the accepted tokens (a wrong state would change the greedy tokens that follow)."""
+    path = make_tiny_qwen3_next(tmp_path / "qwen3_next", with_tokenizer=True)
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    options = {} if graphs else {"enforce_eager": True}
+    _, want, _ = run(path, params, **options)
+    config = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm, got, widths = run(path, params, config, **options)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    counters = llm.engine.scheduler.spec.counters
+    assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens  # some drafts kept, some rejected
+    assert (1 + K in widths) == graphs
+    assert_nothing_held(llm)
+
+
+def test_linear_attention_verify_has_no_implicit_sync(tmp_path):
+    path = make_tiny_qwen3_next(tmp_path / "qwen3_next", with_tokenizer=True)
+    llm = LLM(str(path), dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=512,
+              speculative_config={"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 3})
+    assert_steps_do_not_sync(llm)
 
 
 def test_post_update_kernel_compiled_matches_torch():

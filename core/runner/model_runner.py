@@ -96,11 +96,10 @@ class ModelRunner:
                                     self.num_state_slots or config.scheduler.max_num_seqs)
         self.sampler = Sampler(self.max_running_reqs, config.model.vocab_size, self.device, self.pin_memory)
         self.max_graph_batch = min(self.max_running_reqs, 512)
-        # Token slots per request of each graph family: decode, and under speculation verification
-        # too (not for linear-attention models, whose verify steps run their layers per position).
+        # Token slots per request of each graph family: decode, and under speculation verification.
         speculative = config.speculative
         self.graph_widths = [1]
-        if speculative is not None and not self.caches.state_layers:
+        if speculative is not None:
             self.graph_widths.append(1 + speculative.num_speculative_tokens)
         self.capture_sizes = default_capture_sizes(self.max_running_reqs) if self.use_graphs else []
         # Whole mixed steps in graphs too (weir.runner.cuda_graphs) where every backend allows it,
@@ -289,11 +288,13 @@ class ModelRunner:
                 self.last_hidden = hidden
                 self.spec.restore_graph_extras(extras)
                 logits = self.model.compute_logits(hidden[plan.logits_indices])
+        if self.spec is not None:  # verification also moves verified rows' linear-attention state on
+            output = self.spec.finish_step(plan, logits[: layout.num_rows], layout, out, graph_mode)
+        else:
+            output = self._sample(plan, logits[: plan.num_reqs], out)
         if self.linear_state is not None:  # states at prefix-cache boundaries, into checkpoints
             self.linear_state.save_checkpoints(out.state_copies, self.device, self.pin_memory)
-        if self.spec is not None:
-            return self.spec.finish_step(plan, logits[: layout.num_rows], layout, out, graph_mode)
-        return self._sample(plan, logits[: plan.num_reqs], out)
+        return output
 
     def _plan(self, out: SchedulerOutput, graph_mode: str) -> StepPlan:
         if graph_mode not in GRAPH_MODES:

@@ -48,8 +48,9 @@ class SpecDecodeStep:
         self.runner = runner
         self.config = config
         self.verifier = Verifier(runner.sampler)
-        # Linear-attention layers keep a state per draft position while verifying.
-        self.rollback = StateRollback(runner) if runner.caches.state_layers else None
+        # Linear-attention layers verify on a scratch state; the accepted tokens move the slots on.
+        self.rollback = (StateRollback(runner, config.num_speculative_tokens) if runner.caches.state_layers
+                         else None)
         self.proposer = make_proposer(runner, config)
 
     def extra_kv_bytes_per_block(self, group: int) -> int:
@@ -96,7 +97,7 @@ class SpecDecodeStep:
         result = self.verifier.verify(logits, layout, real_rows, plan.rows, input_ids, positions, table.num_tokens.gpu,
                                       table.num_prompt_tokens.gpu, table.num_drafts.gpu)
         if self.rollback is not None:
-            self.rollback.commit(result.num_emitted - 1)  # drafts accepted per request
+            self.rollback.commit(result.num_rejected)
         query_start_loc = buffers.query_start_loc
         post_update(table.token_ids.gpu, table.num_tokens.gpu, table.num_computed_tokens.gpu,
                     runner.sampler.output_token_counts, real_rows,
