@@ -1,12 +1,13 @@
 """Milliseconds per MoE expert call at a real model's shapes: torch vs Triton backends, on CUDA.
 
-    python3 -m benchmarks.kernels.bench_moe [--shape qwen3-next|deepseek-v3] [--iters 30] [--tokens 1,16,64]
+    python3 -m benchmarks.kernels.bench_moe [--shape qwen3-next|deepseek-v3|kimi-linear] [--iters 30] [--tokens 1,16,64]
                                             [--sweep] [--sweep-parts] [--shared]
 
 Shapes (bf16, random weights, random routing that spreads tokens over the experts about
 evenly): ``qwen3-next`` is Qwen3-Next-80B's E=512, top_k=10, H=2048, I=512; ``deepseek-v3`` is
 DeepSeek-V3/V3.2's E=256, top_k=8, H=7168, I=2048 plus its shared expert as a 257th expert
-every token takes (as the DeepSeek model runs it). "GB/s" is the bytes of the experts a batch
+every token takes (as the DeepSeek model runs it); ``kimi-linear`` is Kimi-Linear-48B's E=256,
+top_k=8, H=2304, I=1024 with its shared expert the same way. "GB/s" is the bytes of the experts a batch
 touches (distinct ids x 3*H*I*2) over the time: decode is weight streaming, so it should
 approach the HBM peak. "triton graph" replays the call from a CUDA graph, as decode runs it;
 the eager columns include Python launch overhead (the torch backend syncs, so it has no graph
@@ -55,7 +56,8 @@ class MoEShape:
 
 
 SHAPES = {"qwen3-next": MoEShape(512, 10, 2048, 512),
-          "deepseek-v3": MoEShape(256, 8, 7168, 2048, num_shared=1)}
+          "deepseek-v3": MoEShape(256, 8, 7168, 2048, num_shared=1),
+          "kimi-linear": MoEShape(256, 8, 2304, 1024, num_shared=1)}
 SWEEP_GEMMS = [  # (gate_up, down) pairs; each is tried with every block_m the batch can fill
     (GemmTiles(32, 128, 4, 4), GemmTiles(64, 128, 4, 4)),
     (GemmTiles(16, 128, 4, 4), GemmTiles(32, 128, 4, 4)),
