@@ -47,9 +47,12 @@ def _log_start(engine, sock: socket.socket, host: str) -> str:
     logger.info("model %s (%s, %s) served as %r, max_model_len %d", config.model.model,
                 config.model.architecture, str(config.model.dtype).removeprefix("torch."),
                 config.model.served_model_name, config.scheduler.max_model_len)
-    logger.info("platform %s, backends %s, KV cache %d tokens (%s usable blocks of %d), max_num_seqs %d",
+    max_num_seqs = config.scheduler.max_num_seqs
+    running = (f" ({summary.max_running_reqs} run at once: one linear-attention state slot each)"
+               if summary.max_running_reqs < max_num_seqs else "")
+    logger.info("platform %s, backends %s, KV cache %d tokens (%s usable blocks of %d), max_num_seqs %d%s",
                 summary.platform, summary.backends, summary.kv_cache_tokens,
-                " + ".join(map(str, summary.usable_blocks)), config.cache.block_size, config.scheduler.max_num_seqs)
+                " + ".join(map(str, summary.usable_blocks)), config.cache.block_size, max_num_seqs, running)
     logger.info("Weir is serving the OpenAI API at %s/v1 (metrics at %s/metrics)", url, url)
     return url
 

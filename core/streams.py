@@ -53,12 +53,13 @@ class EngineSummary:
     backends: str  # layer kind=backend, for each kind the model has
     kv_cache_tokens: int
     usable_blocks: tuple[int, ...]  # per KV-cache group
+    max_running_reqs: int  # max_num_seqs, or fewer where a hybrid model's state slots are fewer
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineSummary:
         kv_cache = engine.scheduler.kv_cache
         return cls(engine.platform.name, engine.runner.caches.describe_backends(), kv_cache.capacity_tokens,
-                   tuple(pool.num_usable_blocks for pool in kv_cache.pools))
+                   tuple(pool.num_usable_blocks for pool in kv_cache.pools), engine.runner.max_running_reqs)
 
 
 class RequestStream:

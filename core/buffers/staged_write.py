@@ -28,6 +28,18 @@ def host_to_device(array: np.ndarray, device: torch.device, pin_memory: bool) ->
     return tensor.to(device, non_blocking=pin_memory)
 
 
+def int64_arrays_to_device(arrays: list[np.ndarray], device: torch.device, pin_memory: bool) -> list[torch.Tensor]:
+    """``host_to_device`` of several integer arrays as one int64 copy (one pinned buffer, one
+    transfer: each pinning costs host time); device views of each, in its own shape."""
+    packed = host_to_device(np.concatenate([np.asarray(array, dtype=np.int64).ravel() for array in arrays]),
+                            device, pin_memory)
+    views, offset = [], 0
+    for array in arrays:
+        views.append(packed[offset: offset + array.size].view(array.shape))
+        offset += array.size
+    return views
+
+
 def scatter_flat(target: torch.Tensor, flat_index: torch.Tensor, values: torch.Tensor) -> None:
     """``target.view(-1)[flat_index] = values``: the one op that applies staged writes.
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from weir.buffers import host_to_device
+from weir.buffers import host_to_device, int64_arrays_to_device
 from weir.sample import Sampler, ops
 from weir.spec_decode.rejection import rejection_sample
 
@@ -60,7 +60,7 @@ def verify_layout(query_start_loc: np.ndarray, num_drafts: np.ndarray, device: t
     flat_of = first_row[:-1, None] + np.minimum(cols[None, :], num_drafts[:, None])
     arrays = {"num_drafts": num_drafts, "logits_indices": logits_indices, "req_of_row": req_of_row,
               "j_of_row": j_of_row, "flat_of": flat_of}
-    on_device = {name: host_to_device(array, device, pin_memory) for name, array in arrays.items()}
+    on_device = dict(zip(arrays, int64_arrays_to_device(list(arrays.values()), device, pin_memory)))
     return VerifyLayout(num_drafts, logits_indices, req_of_row, j_of_row, flat_of, on_device)
 
 
