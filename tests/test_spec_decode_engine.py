@@ -297,6 +297,42 @@ def test_partially_accepted_drafts_keep_greedy_and_logprobs_exact(request, model
     assert_nothing_held(llm)
 
 
+@pytest.mark.parametrize("model", ["qwen3_next", "kimi_linear"])
+def test_linear_attention_verify_graph_path_keeps_greedy_exact(request, model):
+    """Every step planned as its own graph would be ("warm": the graph's plan, run eagerly), so
+    verify steps take the graph path on the CPU: every row per position on the scratch state,
+    indices built on the device, the accepted tokens committed after; and steps of short chunks
+    without drafts are planned without the verify width (they would pay the scratch path for
+    nothing)."""
+    path = request.getfixturevalue({"qwen3_next": "tiny_qwen3_next", "kimi_linear": "tiny_kimi_linear"}[model])
+    prompts = repetitive_prompts(7)[:6]
+    alone = [random.Random(3).randrange(256) for _ in range(27)]  # run by itself: chunks of 24 and 3 tokens
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=2)
+    options = dict(max_num_batched_tokens=24, block_size=4)
+    _, want = generate(path, prompts + [alone], params, **options)
+    continuations = {tuple(p): w.outputs[0].token_ids for p, w in zip(prompts + [alone], want)}
+    llm = LLM(str(path), device="cpu", dtype="float32", speculative_config=dict(NGRAM, adaptive=False), **options)
+    runner = llm.engine.runner
+    runner.spec.proposer = OracleProposer(continuations, 3)
+    execute, plan_step, widths = runner.execute, runner._plan, []
+
+    def plan(out, graph_mode):
+        step = plan_step(out, graph_mode)
+        has_drafts = any(out.num_draft_tokens.values())
+        widths.append((step.graph_width if step.graph_size is not None else None, has_drafts, step.max_query_len))
+        return step
+
+    runner._plan = plan
+    runner.execute = lambda out, graph_mode="auto": execute(out, "warm")
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    got += llm.generate([{"prompt_token_ids": alone}], params, use_tqdm=False)
+    assert_same_completions(got, want)
+    assert (4, True, 4) in widths  # verify steps ran the width-4 graph path
+    assert (None, False, 3) in widths  # the 3-token chunk without drafts: no verify width, eager
+    assert all(width in (1, None) for width, has_drafts, _ in widths if not has_drafts)
+    assert_nothing_held(llm)
+
+
 @pytest.fixture(scope="module")
 def tiny_granite_swa(tmp_path_factory):
     from helpers_models import make_tiny_granite_swa

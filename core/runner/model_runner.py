@@ -308,8 +308,14 @@ class ModelRunner:
                 return None
             return padded()
 
+        # A linear-attention model's verify graph runs every row per position on a scratch state
+        # and again at commit: worth it for drafts, not for a step of short chunks without any.
+        widths = self.graph_widths
+        if self.caches.state_layers and not any(out.num_draft_tokens.values()):
+            widths = widths[:1]
+
         def graph_size(num_reqs: int, max_query_len: int) -> tuple[int, int] | None:
-            width = next((w for w in self.graph_widths if max_query_len <= w), None)
+            width = next((w for w in widths if max_query_len <= w), None)
             if width is None:
                 return None
             size = graph_for(num_reqs, lambda: self.graphs.padded_size(num_reqs, width))

@@ -16,13 +16,16 @@ Per layer, in the forward:
    layer inputs are kept for the commit.
 
 At ``commit``: for ``j = 0 .. width - 1`` the kept inputs of position ``j`` run as a decode batch
-on the slots, for the rows that keep more than ``j`` tokens (the others write the padding slot).
+on the slots, for the rows that keep more than ``j`` tokens (the others run on the padding slot:
+every position runs, as the kept counts are known on the device only).
 
-Why recompute and not a state per draft position: the inputs kept are ``width`` rows of the
-layer's pre-conv channels and gates per request (a few KiB), where a state is MiBs: per-position
-snapshots of every layer would cost ``k`` states per request and layer for the step (GiBs at
-batch 256), and could not live in the fixed buffers a CUDA graph needs. The scratch state is one
-layer's, shared by all layers of a shape. The price is a second decode pass over the kept tokens.
+Why recompute and not a state per draft position: the inputs kept are a layer's pre-conv channels
+and gates (tens of KiB per token: ``[width, max rows, ...]`` per layer, allocated once), where a
+state is MiBs: per-position snapshots of every layer would cost ``k`` states per request and layer
+for the step (GiBs at batch 256), and could not live in the fixed buffers a CUDA graph needs. The
+scratch state is one layer's (``max rows`` slots), shared by all layers of a shape. Both are
+allocated before the KV cache is sized (on an accelerator), so it counts them. The price is a
+second decode pass over the kept positions.
 Every call is a backend's decode path, which every linear-attention backend has, and every index
 comes from device tensors in fixed buffers, so any backend serves verification unchanged, eager
 or inside the verify-width CUDA graphs.
@@ -70,6 +73,9 @@ class VerifyBuffers:
         self.query_lens = empty(max_rows, dtype=torch.int64)  # [M]
         self.slots = empty(max_rows, dtype=torch.int64)  # [M] the rows' state slots
         self.scratch_rows = torch.arange(max_rows + 1, dtype=torch.int32, device=device)  # [M + 1]: rows, then dump
+        # The decode calls' query_start_loc on the host too (one token a row), so that backends
+        # that read it there (the torch references) need no sync.
+        self.scratch_rows_cpu = torch.arange(max_rows + 1, dtype=torch.int32)
         self.arange = torch.arange(max_rows, dtype=torch.int64, device=device)
 
 
@@ -227,7 +233,7 @@ class StateRollback:
         rows = state_indices.shape[0]
         return LinearAttentionMetadata(
             query_start_loc=self.buffers.scratch_rows[: rows + 1], state_indices=state_indices, num_reqs=rows,
-            num_tokens=rows, max_query_len=1)
+            num_tokens=rows, max_query_len=1, query_start_loc_cpu=self.buffers.scratch_rows_cpu[: rows + 1])
 
     def commit(self, num_rejected: torch.Tensor) -> None:
         """After rejection sampling (``num_rejected`` [num_reqs]: drafts each request rejected):

@@ -59,9 +59,10 @@ BF16_TILE_TABLE: tuple[tuple[float, MoETiles], ...] = (
     (8.0, MoETiles(16, GemmTiles(64, 128, 4, 3), GemmTiles(128, 128, 8, 3))),
     # Large decode batches (DeepSeek-V3 and Kimi Linear at 256-512 tokens, Qwen3-Next at 512-1024):
     # 32 rows with the small batches' deep-K GEMMs. H200, bench_moe.py --sweep, against the next
-    # row's tiles: 3-6% faster at every batch swept with 9-20 rows per expert (DeepSeek-V3 5.48
+    # row's tiles: 2-6% faster at every batch swept with 9-20 rows per expert (DeepSeek-V3 5.48
     # vs 5.80 ms at 384 tokens, Kimi Linear 0.95 vs 0.98 ms at 512, Qwen3-Next 0.87 vs 0.89 ms
-    # at 1024); at 31 rows (Qwen3-Next, 1600 tokens) it was not among the five fastest.
+    # at 1024; at some of them 16-row blocks were faster still, by 1-2%); at 31 rows (Qwen3-Next,
+    # 1600 tokens) it was not among the five fastest.
     (24.0, MoETiles(32, GemmTiles(64, 128, 4, 3), GemmTiles(128, 128, 8, 3))),
     (32.0, MoETiles(32, GemmTiles(64, 64, 4, 3), GemmTiles(128, 64, 4, 3))),
     # Prefill: compute-bound-ish. 64 rows keep padding waste low at ~160 rows per expert (8192
