@@ -462,7 +462,7 @@ def _relative_error(actual, expected):
 
 @cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 7, 256, 1024, 2048, 8192, 16384])  # every tile-table row
+@pytest.mark.parametrize("num_tokens", [1, 7, 256, 1024, 1400, 2048, 8192, 16384])  # every tile-table row
 def test_qwen3_next_shapes_bf16(qwen3_next_experts, num_tokens):
     hidden, topk_weights, topk_ids = _qwen3_next_batch(num_tokens, seed=num_tokens)
     expected = TorchMoEBackend().experts(hidden, topk_weights, topk_ids, *qwen3_next_experts)
