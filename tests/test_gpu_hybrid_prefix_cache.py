@@ -117,27 +117,34 @@ def test_checkpoint_copies_are_exact_and_never_sync():
 
 
 def test_checkpoints_saved_in_verify_graphs_hold_the_committed_state(checkpoint):
-    """Under speculation a chunk of at most ``1 + k`` tokens runs in a verify-width graph, whose
-    linear-attention rows move their slots only when verification commits them: a checkpoint at
-    the chunk's end must be saved after that (a state saved before it would be the chunk's
-    start, and the hit resuming from it would change the greedy tokens). A 61-token budget cuts
-    the 64-token junction's chunk to 3 tokens. fp32, so the tokens must be equal."""
-    cases = sequence()
-    prompts = [prompt for prompt, _ in cases]
+    """Under speculation a prefill chunk of at most ``1 + k`` tokens beside a verifying request
+    runs in a verify-width graph, whose linear-attention rows move their slots only when
+    verification commits them: a checkpoint at the chunk's end must be saved after that, or it
+    holds the chunk's start and the prompt resuming from it gets other greedy tokens. As
+    ``test_spec_decode_engine``'s CPU test of the same name, replaying the graphs: budget 66 and a
+    5-token neighbour put the 104-token prompt's chunk 61-64 (its junction with the first
+    prompt) beside the neighbour's first verify step. fp32, so the tokens must be equal."""
+    rng = random.Random(11)
+    base = [rng.randrange(256) for _ in range(150)]
+    junction = base[:64] + [rng.randrange(256) for _ in range(40)]
+    resumes = base[:64] + [rng.randrange(256) for _ in range(30)]
+    neighbour = [rng.randrange(256) for _ in range(5)]
 
     def generate(**options):
-        llm = LLM(str(checkpoint), dtype="float32", block_size=BLOCK, max_num_batched_tokens=61,
+        llm = LLM(str(checkpoint), dtype="float32", block_size=BLOCK, max_num_batched_tokens=66,
                   gpu_memory_utilization=0.3, max_model_len=512, **options)
         replays = record_graph_replays(llm)
-        outputs = [llm.generate([{"prompt_token_ids": p}], PARAMS, use_tqdm=False)[0] for p in prompts]
+        outputs = [llm.generate([{"prompt_token_ids": p} for p in batch], PARAMS, use_tqdm=False)
+                   for batch in ([base], [neighbour, junction], [resumes])]
         assert_nothing_held(llm)
         del llm
         torch.cuda.empty_cache()
-        return outputs, {width for _, width, _ in replays}
+        return [o for batch in outputs for o in batch], {width for _, width, _ in replays}
 
     want, _ = generate(enable_prefix_caching=False)
     got, widths = generate(enable_prefix_caching=True, speculative_config={
-        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
-    assert 4 in widths  # chunks and verify steps of up to 1 + 3 tokens ran in verify graphs
-    assert [o.num_cached_tokens for o in got] == [hit for _, hit in cases]
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+        "adaptive": False})
+    assert 4 in widths  # verify steps (the junction's 3-token chunk among them) replayed width-4 graphs
+    assert got[-1].num_cached_tokens == 64
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

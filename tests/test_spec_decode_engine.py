@@ -333,6 +333,45 @@ def test_linear_attention_verify_graph_path_keeps_greedy_exact(request, model):
     assert_nothing_held(llm)
 
 
+def test_a_checkpoint_saved_in_a_verify_graph_holds_the_committed_state(tiny_qwen3_next):
+    """A prefill chunk of at most ``1 + k`` tokens beside a verifying request runs in the verify
+    graph's plan (every row on the scratch state, the slots moved on at commit): a state
+    checkpoint at the chunk's end must be saved after the commit, or it holds the chunk's start
+    and the prompt resuming from it gets other tokens. Budget 66 and a 5-token neighbour put the
+    104-token prompt's chunk 61-64 (64: its junction with the first prompt) beside the neighbour's
+    first verify step; steps are planned as their graphs would be ("warm") on the CPU."""
+    rng = random.Random(11)
+    base = [rng.randrange(256) for _ in range(150)]
+    junction = base[:64] + [rng.randrange(256) for _ in range(40)]
+    resumes = base[:64] + [rng.randrange(256) for _ in range(30)]
+    neighbour = [rng.randrange(256) for _ in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+    def run(**options):
+        llm = LLM(str(tiny_qwen3_next), device="cpu", dtype="float32", block_size=16, max_num_batched_tokens=66,
+                  **options)
+        runner, planned = llm.engine.runner, []
+        execute, plan_step = runner.execute, runner._plan
+
+        def plan(out, graph_mode):
+            step = plan_step(out, graph_mode)
+            planned.append((step.graph_width if step.graph_size is not None else 1, sorted(step.query_lens)))
+            return step
+
+        runner._plan = plan
+        runner.execute = lambda out, graph_mode="auto": execute(out, "warm")
+        outputs = [llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+                   for batch in ([base], [neighbour, junction], [resumes])]
+        assert_nothing_held(llm)
+        return [o for batch in outputs for o in batch], planned
+
+    want, _ = run(enable_prefix_caching=False)
+    got, planned = run(enable_prefix_caching=True, speculative_config=dict(NGRAM, adaptive=False))
+    assert (4, [3, 4]) in planned  # the junction's 3-token chunk beside the neighbour's 1 + 3
+    assert got[-1].num_cached_tokens == 64  # resumed from the checkpoint saved in that step
+    assert_same_completions(got, want, check_logprobs=False)
+
+
 @pytest.fixture(scope="module")
 def tiny_granite_swa(tmp_path_factory):
     from helpers_models import make_tiny_granite_swa
