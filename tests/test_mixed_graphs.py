@@ -133,6 +133,9 @@ def test_warm_runs_plan_the_capture_s_step():
     class Runner:  # what ModelRunner._plan reads
         graph_widths, mixed_graph_shapes, graphs, max_model_len = [1], [(128, 32)], None, 64
 
+        class caches:
+            state_layers = ()
+
         class table:
             row_of = {f"r{i}": i for i in range(32)}
             num_computed_host = np.zeros(33, dtype=np.int64)
