@@ -11,7 +11,10 @@
 - ``ngram``: the real default model repeating paragraphs (greedy), with and without n-gram drafts;
   ``--vllm`` runs vLLM on the same prompts too, without drafts and with the largest ``k``, each
   engine in a child process of its own after Weir's runs. vLLM reads no GGUF here, so with
-  ``--vllm`` both engines run a bf16 safetensors copy of the GGUF made in OUT_DIR.
+  ``--vllm`` both engines run a bf16 safetensors copy of the GGUF made in OUT_DIR. Each case is
+  timed ``--repeats`` times (the median is reported: one run is tens of milliseconds), and every
+  row says whether its greedy answers are Weir's without drafts: where vLLM's differ, the two
+  engines' tok/s are rates over different texts.
 - ``verify-cost``: the time of a decode step that verifies ``k`` drafts against a plain decode
   step (n-gram slots, adaptive off, so every step verifies ``k`` whatever they hold): for a MoE
   model at a large batch one step reads nearly every expert either way.
@@ -57,28 +60,40 @@ def engine(model, device, speculative=None, **options):
     return LLM(model, device=device, speculative_config=speculative, **options)
 
 
-def timed_generate(llm, prompts, params, chat: bool):
+def timed_generate(llm, prompts, params, chat: bool, repeats: int = 1):
+    """Run ``prompts`` ``repeats`` times (the prefix cache emptied before each run but the first)
+    and time each: the row gives the median run, the draft counters' mean per run."""
     engine_ = llm.engine
-    steps = [0]
+    steps = []
     original = engine_.step
 
     def counted():
-        steps[0] += 1
+        steps[-1] += 1
         return original()
 
     engine_.step = counted
     spec = engine_.scheduler.spec
     before = spec.counters.snapshot() if spec is not None else None  # a warm-up run counted too
-    start = time.perf_counter()
-    outputs = llm.chat(prompts, params, use_tqdm=False) if chat else llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    times = []
+    for run in range(repeats):
+        if run:
+            llm.reset_prefix_cache()  # each timed run computes its prompts
+        steps.append(0)
+        start = time.perf_counter()
+        outputs = llm.chat(prompts, params, use_tqdm=False) if chat else llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
     engine_.step = original
+    median = sorted(range(repeats), key=times.__getitem__)[repeats // 2]
+    seconds = times[median]
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
-    row = {"seconds": seconds, "output_tokens": num_out, "tok_per_s": num_out / seconds, "steps": steps[0],
-           "step_ms": 1e3 * seconds / max(steps[0], 1)}
+    row = {"seconds": seconds, "output_tokens": num_out, "tok_per_s": num_out / seconds, "steps": steps[median],
+           "step_ms": 1e3 * seconds / max(steps[median], 1)}
+    if repeats > 1:
+        row |= {"repeats": repeats, "slowest_s": max(times), "fastest_s": min(times)}
     if spec is not None:
         after = spec.counters.snapshot()
-        c = {key: after[key] - before[key] for key in ("num_draft_tokens", "num_accepted_tokens", "num_draft_slots")}
+        c = {key: (after[key] - before[key]) / repeats
+             for key in ("num_draft_tokens", "num_accepted_tokens", "num_draft_slots")}
         row |= {"draft_tokens": c["num_draft_tokens"], "accepted": c["num_accepted_tokens"],
                 "acceptance_rate": c["num_accepted_tokens"] / max(c["num_draft_tokens"], 1),
                 "verified_per_output_token": c["num_draft_tokens"] / max(num_out, 1),
@@ -126,6 +141,7 @@ def ngram(args):
     from weir import SamplingParams
 
     rows = []
+    answers = {}  # batch -> Weir's greedy token ids without drafts
     for batch in args.batch:
         params = SamplingParams(temperature=0, max_tokens=args.output_len)
         options = dict(max_model_len=1024, max_num_seqs=max(batch, 1))
@@ -133,8 +149,11 @@ def ngram(args):
             llm = engine(args.model, args.device, ngram_config(k), **options)
             llm.chat(repeat_prompts(batch), params, use_tqdm=False)  # compiles what the timed run meets
             llm.reset_prefix_cache()  # the timed run computes its prompts, as vLLM's does
-            _, row = timed_generate(llm, repeat_prompts(batch), params, chat=True)
-            rows.append({"engine": "weir", "batch": batch, "k": k, **row})
+            outputs, row = timed_generate(llm, repeat_prompts(batch), params, chat=True, repeats=args.repeats)
+            tokens = [list(o.outputs[0].token_ids) for o in outputs]
+            answers.setdefault(batch, tokens)
+            rows.append({"engine": "weir", "batch": batch, "k": k, **row,
+                         "same_answers_as_weir_k0": tokens == answers[batch]})
             del llm
     if args.vllm:
         for k in (0, max(args.k)):
@@ -143,6 +162,9 @@ def ngram(args):
         for row in rows:
             if row["engine"] != "weir":
                 row["weir_over_vllm"] = weir[row["batch"], row["k"]] / row["tok_per_s"]
+                # Greedy answers of the same weights can part at a near-tie (bf16 kernels differ);
+                # then the two engines' tok/s are rates over different texts.
+                row["same_answers_as_weir_k0"] = row.pop("tokens") == answers[row["batch"]]
     return rows
 
 
@@ -157,20 +179,26 @@ def vllm_ngram_runs(args, k: int) -> list[dict]:
     rows = []
     for batch in args.batch:
         llm.chat(repeat_prompts(batch), params, use_tqdm=False)  # warm-up, as Weir's
-        llm.reset_prefix_cache()
         before = vllm_spec_counters(llm)
-        start = time.perf_counter()
-        outputs = llm.chat(repeat_prompts(batch), params, use_tqdm=False)
-        seconds = time.perf_counter() - start
+        times = []
+        for _ in range(args.repeats):
+            llm.reset_prefix_cache()
+            start = time.perf_counter()
+            outputs = llm.chat(repeat_prompts(batch), params, use_tqdm=False)
+            times.append(time.perf_counter() - start)
+        seconds = sorted(times)[args.repeats // 2]
         after = vllm_spec_counters(llm)
-        num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        num_out = sum(map(len, tokens))
         row = {"engine": f"vllm {vllm.__version__}", "batch": batch, "k": k, "seconds": seconds,
                "output_tokens": num_out, "tok_per_s": num_out / seconds}
+        if args.repeats > 1:
+            row |= {"repeats": args.repeats, "slowest_s": max(times), "fastest_s": min(times)}
         if k:
-            drafts = after["num_draft_tokens"] - before["num_draft_tokens"]
-            accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+            drafts = (after["num_draft_tokens"] - before["num_draft_tokens"]) / args.repeats
+            accepted = (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / args.repeats
             row |= {"draft_tokens": drafts, "accepted": accepted, "acceptance_rate": accepted / max(drafts, 1)}
-        rows.append(row)
+        rows.append(row | {"tokens": tokens})
     return rows
 
 
@@ -290,6 +318,8 @@ def main() -> None:
     parser.add_argument("--k", default="1,2,4", help="comma-separated num_speculative_tokens")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="ngram: timed runs per case, the median reported (default 5; 1 on the CPU)")
     parser.add_argument("--vllm", action="store_true", help="ngram: also run vLLM (installed here)")
     parser.add_argument("--vllm-child", type=int, help=argparse.SUPPRESS)  # vllm_in_child's k
     parser.add_argument("--vllm-result", type=Path, help=argparse.SUPPRESS)
@@ -300,6 +330,7 @@ def main() -> None:
     args.batch = [int(b) for b in (args.batch or ("1,4" if cpu and args.workload != "adaptive" else batch)).split(",")]
     args.k = [int(k) for k in args.k.split(",")]
     args.output_len = args.output_len or (min(output_len, 64) if cpu else output_len)
+    args.repeats = args.repeats or (1 if cpu else 5)
     if args.workload == "ngram" and args.model is None and (args.vllm or args.vllm_child is not None):
         # vLLM here reads no GGUF: both engines run one safetensors copy of the default model.
         args.model = str(safetensors_copy_of_default_model(args.out_dir))
