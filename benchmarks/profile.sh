@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The profilers and kernel benchmarks on a CUDA machine with Weir installed (for Qwen3-Next and
 # bench_gdn also fla-core: pip install -e '.[cuda]'). Each log goes to OUT_DIR, its end to the terminal.
-#   bash benchmarks/profile.sh OUT_DIR kernels                   every benchmarks/kernels/bench_*.py
+#   bash benchmarks/profile.sh OUT_DIR kernels                   every benchmarks/kernel_bench/bench_*.py
 #   bash benchmarks/profile.sh OUT_DIR startup [MODEL [KEY=VALUE...]]   start-up with an empty Triton
 #                                   cache (every compilation timed), then again warm, with cProfile
 #   bash benchmarks/profile.sh OUT_DIR steps [MODEL [OPTIONS...]]   time per step by kind and decode batch
@@ -35,7 +35,7 @@ run() {  # run LOG COMMAND...: the command's output into OUT_DIR/LOG
 case "$what" in
   kernels)
     for bench in attention input_prep small_ops gemv moe gdn; do
-      run "bench_$bench.log" python3 -m "benchmarks.kernels.bench_$bench"
+      run "bench_$bench.log" python3 -m "benchmarks.kernel_bench.bench_$bench"
     done ;;
   startup)
     TRITON_CACHE_DIR=$(mktemp -d) || exit 1  # empty: a cold machine's compiles; the warm run reuses it

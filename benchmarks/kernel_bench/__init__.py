@@ -1,1 +1,1 @@
-"""Kernel benchmarks on a CUDA device: ``python3 -m benchmarks.kernels.bench_<name>`` from the repo root."""
+"""Kernel benchmarks on a CUDA device: ``python3 -m benchmarks.kernel_bench.bench_<name>`` from the repo root."""

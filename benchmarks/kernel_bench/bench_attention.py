@@ -5,7 +5,7 @@ decode B=256 at 1024 tokens, decode B=1 at 4096 and 32768 (split-K), prefill of 
 8 requests, and a mixed batch. SDPA runs the same dense shapes (no paging) as a yardstick. Each
 Triton time includes the KV store. ``--sweep`` also times other tile configs and split counts.
 
-    python3 -m benchmarks.kernels.bench_attention [--sweep] [--block-size 16]
+    python3 -m benchmarks.kernel_bench.bench_attention [--sweep] [--block-size 16]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks.kernels.timing import graph_us, median_us
+from benchmarks.kernel_bench.timing import graph_us, median_us
 from weir.attention import AttentionLayerSpec, AttentionMetadata
 from weir.plugins.attention.triton_paged import TileConfig, TritonAttentionBackend
 

@@ -4,7 +4,7 @@ slot-indexed decode kernels (conv, and the recurrent step with a sweep of its ti
 hints; bandwidth counts the recurrent state read and written) timed in CUDA graphs, and fla's
 chunk prefill (eager).
 
-    python3 -m benchmarks.kernels.bench_gdn [--only prefill-conv|decode|chunk]
+    python3 -m benchmarks.kernel_bench.bench_gdn [--only prefill-conv|decode|chunk]
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from benchmarks.kernels.timing import graph_us, median_ms
+from benchmarks.kernel_bench.timing import graph_us, median_ms
 from weir.plugins.attention.gdn_triton_kernels import conv_decode_step, gdn_decode_step
 
 H, HV, DK, DV, CONV_KERNEL = 16, 32, 128, 128, 4

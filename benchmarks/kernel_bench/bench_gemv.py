@@ -1,6 +1,6 @@
 """Batch-1 projections of Qwen3-8B: cuBLAS (F.linear) vs Weir's Triton GEMV, per shape and tile.
 
-    python3 -m benchmarks.kernels.bench_gemv
+    python3 -m benchmarks.kernel_bench.bench_gemv
 
 Each case captures a CUDA graph of back-to-back launches that cycle over enough weight copies
 to defeat the L2 cache (a real step never re-reads a layer's weights), then times its replays.
@@ -14,7 +14,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from benchmarks.kernels.timing import graph_us
+from benchmarks.kernel_bench.timing import graph_us
 from weir.kernels.triton_gemv import gemv, gemv_tiles
 
 SHAPES = {  # name: (out_features, in_features) of Qwen3-8B

@@ -1,6 +1,6 @@
 """Per-op timing of step-input preparation: torch versions against the Triton kernels (CUDA).
 
-    python3 -m benchmarks.kernels.bench_input_prep [--iters 200]
+    python3 -m benchmarks.kernel_bench.bench_input_prep [--iters 200]
 
 Two batches: a B=256 decode batch and a mixed 8192-token batch (64 decodes plus 8 prefill
 chunks of 1016 tokens). Each op is timed two ways, in microseconds per call:
@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from benchmarks.kernels.timing import graph_us, loop_us
+from benchmarks.kernel_bench.timing import graph_us, loop_us
 from weir.buffers import staged_write
 from weir.kernels import kv_store, triton_input_prep as tk, triton_kv_store
 from weir.runner import inputs

@@ -14,8 +14,8 @@ Decode times are CUDA-graph replays (as the runner launches decode), prefill tim
 calls; each Triton time includes the cache store and both W_UK / W_UV batched GEMMs. GB/s counts
 the latent rows read once per request (1152 B each); TFLOP/s the absorbed form's dot products.
 
-    python3 -m benchmarks.kernels.bench_mla [--sweep] [--quick] [--block-size 64]
-    python3 -m benchmarks.kernels.bench_mla --prefill-sweep   # attention tiles for prefill steps alone
+    python3 -m benchmarks.kernel_bench.bench_mla [--sweep] [--quick] [--block-size 64]
+    python3 -m benchmarks.kernel_bench.bench_mla --prefill-sweep   # attention tiles for prefill steps alone
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks.kernels.timing import graph_us, median_us
+from benchmarks.kernel_bench.timing import graph_us, median_us
 from weir.attention import AttentionMetadata
 from weir.mla import IndexerInputs, MLALayerSpec
 from weir.plugins.attention.mla_triton import TOPK_BLOCK, MLATiles, TritonMLABackend

@@ -1,7 +1,7 @@
 """Milliseconds per MoE expert call at a real model's shapes: torch vs Triton backends, on CUDA.
 
-    python3 -m benchmarks.kernels.bench_moe [--shape qwen3-next|deepseek-v3|kimi-linear] [--iters 30] [--tokens 1,16,64]
-                                            [--sweep] [--sweep-parts] [--shared]
+    python3 -m benchmarks.kernel_bench.bench_moe [--shape qwen3-next|deepseek-v3|kimi-linear] [--iters 30]
+                                                 [--tokens 1,16,64] [--sweep] [--sweep-parts] [--shared]
 
 Shapes (bf16, random weights, random routing that spreads tokens over the experts about
 evenly): ``qwen3-next`` is Qwen3-Next-80B's E=512, top_k=10, H=2048, I=512; ``deepseek-v3`` is
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.kernels.timing import graph_replay, median_ms
+from benchmarks.kernel_bench.timing import graph_replay, median_ms
 from weir.moe import Routing, append_shared_experts, softmax_top_k
 from weir.plugins.moe_backends.torch_ref import TorchMoEBackend
 from weir.plugins.moe_backends.triton_fused import TritonMoEBackend

@@ -1,6 +1,6 @@
 """Microseconds per call of the sampler and the small layer ops: torch vs Triton, on CUDA.
 
-    python3 -m benchmarks.kernels.bench_small_ops [--iters 50]
+    python3 -m benchmarks.kernel_bench.bench_small_ops [--iters 50]
 
 The torch column runs with WEIR_DISABLE_TRITON=1 (the reference ops), the Triton column
 without it; both go through the same public entry points (Sampler, RMSNorm, GatedMLP's
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig
 
-from benchmarks.kernels.timing import median_us
+from benchmarks.kernel_bench.timing import median_us
 from weir.kernels.dispatch import forced_torch_ops, use_triton
 from weir.layers import RMSNorm, RotaryEmbedding
 from weir.sample import Sampler

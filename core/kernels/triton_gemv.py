@@ -44,7 +44,7 @@ def _gemv_kernel(
 
 def gemv_tiles(out_features: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps), from a sweep of Qwen3-8B's projections on an H200
-    (``benchmarks/kernels/bench_gemv.py``): 16 rows x 1024 for up to 16k outputs, 32 x 256 for wider ones."""
+    (``benchmarks/kernel_bench/bench_gemv.py``): 16 rows x 1024 for up to 16k outputs, 32 x 256 for wider ones."""
     if out_features <= 16384:
         return 16, 1024, 8
     return 32, 256, 8

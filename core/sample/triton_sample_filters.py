@@ -165,7 +165,8 @@ def filter_thresholds_triton(
     """``[num_rows]`` fp32: each random row keeps the scaled logits at or above its entry.
 
     None when no row uses min-p, top-k or top-p. Greedy rows get -inf. ``block``, ``num_slots``
-    (powers of two) and ``num_warps`` only change the speed (benchmarks/kernels/bench_small_ops.py sweeps them).
+    (powers of two) and ``num_warps`` only change the speed
+    (benchmarks/kernel_bench/bench_small_ops.py sweeps them).
     """
     if metadata.no_min_p and metadata.no_top_k and metadata.no_top_p:
         return None

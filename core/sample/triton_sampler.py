@@ -138,7 +138,7 @@ def choose_tokens_triton(
 ) -> torch.Tensor:
     """``Sampler.choose_tokens`` for logits ``[num_rows, vocab]`` fp32: ``[num_rows]`` int64.
 
-    The launch shape arguments exist for ``benchmarks/kernels/bench_small_ops.py``'s sweep."""
+    The launch shape arguments exist for ``benchmarks/kernel_bench/bench_small_ops.py``'s sweep."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     num_rows, vocab_size = logits.shape

@@ -163,7 +163,7 @@ def gdn_decode_step(mixed_qkv, g, beta, recurrent_state, state_indices, out, *, 
         raise ValueError("gdn_decode_step needs mixed_qkv rows, recurrent_state rows and out rows contiguous")
     if num_reqs == 0:
         return out
-    # H200 sweep at Qwen3-Next shapes (benchmarks/kernels/bench_gdn.py): fp32 states are fastest with 4 warps
+    # H200 sweep at Qwen3-Next shapes (benchmarks/kernel_bench/bench_gdn.py): fp32 states are fastest with 4 warps
     # and default caching (3.74 TB/s at batch 256); 16-bit ones with 2 warps and streaming hints
     # (181 vs 197 us at batch 256, the fp32 choices).
     sixteen_bit = recurrent_state.element_size() == 2

@@ -49,7 +49,7 @@ class MoETiles:
 # (largest mean assignments per expert, tiles): the first row whose bound covers the batch wins.
 # The mean is what decides how full a block is; for Qwen3-Next (E=512, k=10) the rows switch at
 # about 51, 409, 1229, 1638 and 13107 tokens. Values are starting points for H100/H200-class GPUs, checked
-# by benchmarks/kernels/bench_moe.py --sweep; no autotuning, so start-up compiles one config per tier.
+# by benchmarks/kernel_bench/bench_moe.py --sweep; no autotuning, so start-up compiles one config per tier.
 BF16_TILE_TABLE: tuple[tuple[float, MoETiles], ...] = (
     # Decode: a touched expert gets ~1 row, so time is weight streaming. 16 rows is the smallest
     # tensor-core tile; narrow column tiles spread one expert's weights over many programs so a
@@ -69,7 +69,7 @@ BF16_TILE_TABLE: tuple[tuple[float, MoETiles], ...] = (
     # tokens); the gate/up kernel holds two 64x64 fp32 accumulators, as much as 4 warps hold well.
     (256.0, MoETiles(64, GemmTiles(64, 64, 4, 3), GemmTiles(128, 64, 4, 3))),
     # Full prefill chunks (16384 tokens: ~320 rows per expert): 128-row blocks and 8 warps double
-    # the reuse of each loaded tile. H200, benchmarks/kernels/bench_moe.py --sweep: 3.22 ms vs 3.87 ms (the
+    # the reuse of each loaded tile. H200, benchmarks/kernel_bench/bench_moe.py --sweep: 3.22 ms vs 3.87 ms (the
     # 64-row tiles) per Qwen3-Next layer at 16384 tokens, 320 vs 267 TFLOP/s; at 2048 tokens (40
     # rows) the 64-row tiles stay the fastest. The switch at 256 rows is a guess between the two:
     # 8192 tokens (160 rows, 2 blocks of 128 would be 62% full) was not swept.
