@@ -40,7 +40,6 @@ def test_mtp_layers_are_skipped_with_one_log_line(tmp_path, caplog):
         f"{layer}.hnorm.weight": torch.ones(hidden), f"{layer}.shared_head.head.weight": torch.randn(320, hidden),
         f"{layer}.self_attn.kv_a_proj_with_mqa.weight": torch.randn(40, hidden),
         f"{layer}.mlp.experts.0.gate_proj.weight": torch.randn(32, hidden),
-        "model.layers.12.input_layernorm.weight": torch.ones(hidden),  # a second MTP layer, two digits
     })
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     edit_config(path, num_nextn_predict_layers=1)
@@ -51,15 +50,28 @@ def test_mtp_layers_are_skipped_with_one_log_line(tmp_path, caplog):
     assert with_mtp.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
 
 
-def test_the_mtp_pattern_matches_only_layers_past_the_last():
+def test_the_mtp_pattern_matches_only_the_declared_mtp_layers():
     from weir.plugins.models.deepseek_v3 import mtp_layer_pattern
 
-    pattern = re.compile(mtp_layer_pattern(61))
-    assert pattern.search("model.layers.61.eh_proj.weight") and pattern.search("model.layers.99.enorm.weight")
-    assert pattern.search("model.layers.610.x")
+    pattern = re.compile(mtp_layer_pattern(61, 2))
+    assert pattern.search("model.layers.61.eh_proj.weight") and pattern.search("model.layers.62.enorm.weight")
     for kept in ("model.layers.0.mlp.gate.weight", "model.layers.6.self_attn.q_a_proj.weight",
-                 "model.layers.60.mlp.experts.3.up_proj.weight", "model.norm.weight"):
+                 "model.layers.60.mlp.experts.3.up_proj.weight", "model.norm.weight", "model.layers.610.x",
+                 "model.layers.63.eh_proj.weight"):
         assert not pattern.search(kept), kept
+
+
+@pytest.mark.parametrize("num_mtp, extra_layer", [(0, 3), (1, 4), (1, 12)])
+def test_a_layer_past_the_last_that_the_config_does_not_declare_is_refused(tmp_path, num_mtp, extra_layer):
+    """Only the ``num_nextn_predict_layers`` MTP modules are skipped: a checkpoint layer past them
+    means a config with too few layers, which must not serve a truncated model."""
+    path = make_tiny_deepseek_v3(tmp_path, with_tokenizer=True)  # 3 decoder layers
+    tensors = load_file(path / "model.safetensors")
+    tensors[f"model.layers.{extra_layer}.input_layernorm.weight"] = torch.ones(64)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    edit_config(path, num_nextn_predict_layers=num_mtp)
+    with pytest.raises(ValueError, match=rf"does not use.*model\.layers\.{extra_layer}\.input_layernorm"):
+        LLM(str(path), device="cpu", dtype="float32", max_model_len=64)
 
 
 def test_fp8_checkpoints_are_refused_by_name(tmp_path):

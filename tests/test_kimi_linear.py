@@ -278,6 +278,8 @@ def _refused(tmp_path, name, match, edit):
      lambda c: c["linear_attn_config"].update(safe_gate=True)),
     ("gate_in_kernel", r"use_gate_in_kernel=True asks for a KDA gate variant",
      lambda c: c.update(use_gate_in_kernel=True)),
+    ("glm5_next_bound", r"linear_lower_bound=-5.0 asks for a KDA gate variant",  # transformers' saved name
+     lambda c: c.update(linear_lower_bound=-5.0)),
     ("unknown_key", r"linear_attn_config has keys \['chunk_size'\] that Weir's Kimi Linear does not know",
      lambda c: c["linear_attn_config"].update(chunk_size=32)),
     ("rope_mla", r"mla_use_nope=false \(RoPE on the MLA layers\)", lambda c: c.update(mla_use_nope=False)),
@@ -300,6 +302,22 @@ def test_layer_types_that_disagree_with_the_lists_are_refused(tmp_path):
         config["layer_types"] = ["full_attention" if i % 4 == 0 and i else "linear_attention" for i in range(27)]
 
     _refused(tmp_path, "disagree", r"layer_types .* disagree with linear_attn_config", edit)
+
+
+def test_a_layer_past_the_config_s_last_is_refused_not_dropped(checkpoint, tmp_path):
+    """Kimi Linear declares no MTP layers: a config with fewer layers than its checkpoint must not
+    serve the truncated model."""
+    short = tmp_path / "short"
+    shutil.copytree(checkpoint, short)
+    config = json.loads((short / "config.json").read_text())
+    num_layers = config["num_hidden_layers"]
+    linear_attn_config = config["linear_attn_config"]
+    for key in ("kda_layers", "full_attn_layers"):
+        linear_attn_config[key] = [layer for layer in linear_attn_config[key] if layer < num_layers]
+    config["num_hidden_layers"] = num_layers - 1
+    (short / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"does not use.*model\.layers\.{num_layers - 1}\."):
+        LLM(str(short), device="cpu", dtype="float32", skip_tokenizer_init=True)
 
 
 def test_served_with_token_ids_only(checkpoint, references, tmp_path):

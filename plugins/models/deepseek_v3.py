@@ -302,10 +302,21 @@ class DeepseekDecoderLayer(nn.Module):
         return self.mlp(hidden_states, ctx), residual
 
 
-def mtp_layer_pattern(num_layers: int) -> str:
-    """Checkpoint names of layers past the last decoder layer (the MTP modules)."""
-    decoder_layers = "|".join(str(index) for index in range(num_layers))
-    return rf"^model\.layers\.(?!(?:{decoder_layers})\.)\d+\."
+def mtp_layer_pattern(num_layers: int, num_mtp: int) -> str:
+    """Checkpoint names of the MTP modules the config declares: layers ``num_layers`` to
+    ``num_layers + num_mtp - 1``. Any other layer past the last is no part of the model, and
+    loading refuses it as an unexpected tensor (a config with too few layers must not serve a
+    truncated model)."""
+    mtp_layers = "|".join(str(index) for index in range(num_layers, num_layers + num_mtp))
+    return rf"^model\.layers\.(?:{mtp_layers})\."
+
+
+def ignored_checkpoint_patterns(hf_config: Any) -> tuple[str, ...]:
+    """What a DeepSeek-style model skips in its checkpoint: the rotary caches, and the declared
+    MTP modules (``num_nextn_predict_layers``, loaded by the ``mtp`` draft head where there is one)."""
+    num_mtp = int(getattr(hf_config, "num_nextn_predict_layers", None) or 0)
+    mtp = (mtp_layer_pattern(hf_config.num_hidden_layers, num_mtp),) if num_mtp else ()
+    return (r"rotary_emb\.inv_freq$", *mtp)
 
 
 def mla_rotary_of(model_cls: type, hf_config: Any, max_positions: int) -> RotaryEmbedding:
@@ -357,7 +368,8 @@ class DeepseekV3MTP(TargetSharedHead):
     @staticmethod
     def checkpoint_pattern(hf_config: Any) -> str:
         """The checkpoint names this head loads (a regular expression)."""
-        return mtp_layer_pattern(hf_config.num_hidden_layers)
+        num_mtp = int(getattr(hf_config, "num_nextn_predict_layers", None) or 0)
+        return mtp_layer_pattern(hf_config.num_hidden_layers, max(num_mtp, 1))  # 0: __init__ refuses
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -406,7 +418,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         super().__init__()
         hf_config = config.hf_config
         num_layers = hf_config.num_hidden_layers
-        self.ignored_checkpoint_patterns = (r"rotary_emb\.inv_freq$", mtp_layer_pattern(num_layers))
+        self.ignored_checkpoint_patterns = ignored_checkpoint_patterns(hf_config)
         num_mtp = getattr(hf_config, "num_nextn_predict_layers", None) or 0
         if num_mtp:
             use = ("speculative_config method 'mtp' loads them as its draft head" if self.mtp_head_class is not None

@@ -34,7 +34,8 @@ from weir.layers.moe import FusedExperts
 from weir.layers.norm import SigmoidGatedRMSNorm
 from weir.linear_attention import KimiDeltaAttentionLayerSpec
 from weir.mla import MLALayerSpec
-from weir.plugins.models.deepseek_v3 import STACKED_PARAMS, DeepseekMoE, MLAAttention, is_moe_layer, mtp_layer_pattern
+from weir.plugins.models.deepseek_v3 import (STACKED_PARAMS, DeepseekMoE, MLAAttention, ignored_checkpoint_patterns,
+                                             is_moe_layer)
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,9 @@ LINEAR_ATTN_CONFIG_KEYS = frozenset({"kda_layers", "full_attn_layers", "num_head
                                      "short_conv_kernel_size"})
 # Gate variants of newer Kimi models (and of GLM-5.3's KDA, whose config names these are):
 # transformers' Kimi Linear ignores them, so there is no reference to serve them against.
-GATE_VARIANT_KEYS = ("gate_lower_bound", "safe_gate", "lower_bound", "use_gate_in_kernel", "use_full_rank_gate")
+# ``linear_lower_bound`` is the top-level name transformers' GLM-5-Next config saves the bound under.
+GATE_VARIANT_KEYS = ("gate_lower_bound", "safe_gate", "lower_bound", "linear_lower_bound", "use_gate_in_kernel",
+                     "use_full_rank_gate")
 
 STACKED_KIMI_PARAMS = STACKED_PARAMS + (
     # A KDA layer's projections of the hidden state: one GEMM, in the name MLA's fused input
@@ -274,8 +277,8 @@ class KimiDecoderLayer(nn.Module):
 class KimiLinearForCausalLM(nn.Module):
     """The Weir model contract (``weir.model_interface``) for Kimi Linear checkpoints.
 
-    MTP layers (``model.layers.N.*`` for N >= ``num_hidden_layers``, none in the released
-    checkpoints) are skipped, as for DeepSeek-V3.
+    MTP layers the config declares (``num_nextn_predict_layers``, none in the released
+    checkpoints) are skipped, as for DeepSeek-V3; any other layer past the last is refused.
     """
 
     stacked_params = STACKED_KIMI_PARAMS
@@ -286,7 +289,7 @@ class KimiLinearForCausalLM(nn.Module):
         hf_config = config.hf_config
         check_supported(hf_config)
         num_layers = hf_config.num_hidden_layers
-        self.ignored_checkpoint_patterns = (r"rotary_emb\.inv_freq$", mtp_layer_pattern(num_layers))
+        self.ignored_checkpoint_patterns = ignored_checkpoint_patterns(hf_config)
         num_mtp = getattr(hf_config, "num_nextn_predict_layers", None) or 0
         if num_mtp:
             logger.info("%s: the checkpoint's %d MTP layer(s) (model.layers.%d.* on) are not loaded",
