@@ -157,6 +157,25 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llama_path, async_sch
     assert_nothing_held(llm)
 
 
+def test_seeded_sampling_gives_the_tokens_of_sampling_without_drafts(tiny_llama_path):
+    """A seeded sampled request emits the tokens plain sampling gives, however many drafts each
+    step verified: with n-gram drafts, and with a token budget so small that a neighbour's
+    prefill leaves room for fewer drafts than the proposer offered."""
+    prompts = repetitive_prompts(4)
+    params = [SamplingParams(temperature=0.3, top_k=20, seed=200 + i, max_tokens=NUM_TOKENS, ignore_eos=True)
+              for i in range(len(prompts))]
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    plain = LLM(str(tiny_llama_path), device="cpu").generate(inputs, params, use_tqdm=False)
+    want = [o.outputs[0].token_ids for o in plain]
+    for options in ({}, {"max_num_batched_tokens": 8, "max_num_seqs": 2}):
+        llm = LLM(str(tiny_llama_path), device="cpu", speculative_config=NGRAM, **options)
+        got = llm.generate(inputs, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == want, options
+        counters = llm.engine.scheduler.spec.counters
+        assert counters.num_accepted_tokens > 0, options  # drafts were taken, not just offered
+        assert_nothing_held(llm)
+
+
 def test_min_tokens_and_stop_inside_accepted_runs(tiny_llama_path):
     prompt = [7, 8, 9] * 12
     base = LLM(str(tiny_llama_path), device="cpu")

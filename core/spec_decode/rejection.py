@@ -7,17 +7,20 @@ knows). Row ``j < k`` verifies ``d_{j+1}``:
 - greedy rows accept it when it is the argmax of the row (after bans and penalties): the
   emitted tokens are then exactly greedy decoding's;
 - random rows accept it with probability ``min(1, p(d) / q(d))`` (``p``: the row's processed
-  target distribution, after temperature, min-p, top-k/top-p; ``q``: the draft's, one-hot when
-  the proposer drafts deterministically), with a uniform keyed on (seed, position);
+  target distribution, after temperature, min-p, top-k/top-p; ``q``: the draft's);
 - at the first rejection the step emits a token drawn from the residual ``max(p - q, 0)``
   normalised, and when every draft is accepted (or the drafts ran out before row ``k``: an
-  n-gram shorter than ``k``) a token drawn from ``p`` of the next row. Both draws are Gumbel-max
-  with the sampler's own noise for that (seed, position), so a bonus token is the very token
-  sampling without drafts would give there.
+  n-gram shorter than ``k``) a token drawn from ``p`` of the next row.
 
-The emitted tokens follow the target's distribution exactly (Leviathan et al., 2023), and a
-seeded request's tokens depend on nothing but its seed, its positions and its own logits, never
-on what else shares the batch.
+Draws are Gumbel-max with the sampler's own noise for that (seed, position). With one-hot drafts
+(deterministic proposers: n-gram, greedy drafts) a random row takes the plain draw ``x`` and
+accepts ``d`` exactly when ``x == d``: the probability is ``p(d)``, and ``x`` given ``x != d``
+follows the residual. So every token a seeded request emits is the token sampling without drafts
+gives at that (seed, position), whatever else shares the batch and however many drafts the
+token budget let a step verify. With a draft distribution ``q`` (no proposer passes one yet:
+every proposer drafts one-hot) the acceptance test takes a uniform keyed on (seed, position);
+the tokens then follow the target exactly (Leviathan et al., 2023), but a step that verified
+fewer drafts (a smaller token budget left by the batch) may emit other ones.
 """
 
 from __future__ import annotations
@@ -65,22 +68,26 @@ def rejection_sample(
     accept = draft_tokens == greedy_tokens  # [N]
     if processed_logits is not None:
         noise = ops.gumbel_noise(seeds, positions, processed_logits.shape[-1])  # [N, V]
-        random_sampled = (processed_logits + noise).argmax(dim=-1)
-        probs = processed_logits.softmax(dim=-1)  # [N, V]
-        safe_draft = draft_tokens.clamp(0, probs.shape[-1] - 1).unsqueeze(1)  # [N, 1]
-        p_draft = probs.gather(1, safe_draft).squeeze(1)  # [N]
+        random_sampled = (processed_logits + noise).argmax(dim=-1)  # [N]
         if draft_probs is None:
-            ratio = p_draft
-            residual_logits = processed_logits.scatter(1, safe_draft, float("-inf"))
+            # One-hot drafts: accept d exactly when the plain draw x is d (probability p(d), the
+            # min(1, p(d) / q(d)) of q one-hot), else emit x, which given x != d follows the
+            # residual. Every emitted token is then the one sampling without drafts gives at that
+            # (seed, position), however many drafts the step happened to verify there.
+            random_accept = random_sampled == draft_tokens
+            random_residual = random_sampled
         else:
+            safe_draft = draft_tokens.clamp(0, processed_logits.shape[-1] - 1).unsqueeze(1)  # [N, 1]
+            probs = processed_logits.softmax(dim=-1)  # [N, V]
+            p_draft = probs.gather(1, safe_draft).squeeze(1)  # [N]
             q_draft = draft_probs.gather(1, safe_draft).squeeze(1)
             ratio = torch.where(q_draft > 0, p_draft / q_draft.clamp_min(1e-30), 1.0)
             # Where p and q agree to rounding the residual is empty; p itself is then the fallback.
             residual_probs = (probs - draft_probs).clamp_min(0)
             empty = residual_probs.sum(dim=-1, keepdim=True) <= 0
             residual_logits = torch.where(empty, processed_logits, residual_probs.log())
-        random_residual = (residual_logits + noise).argmax(dim=-1)
-        random_accept = acceptance_uniforms(seeds, positions) < ratio
+            random_residual = (residual_logits + noise).argmax(dim=-1)
+            random_accept = acceptance_uniforms(seeds, positions) < ratio
         sampled = torch.where(is_greedy, greedy_tokens, random_sampled)
         residual = torch.where(is_greedy, greedy_tokens, random_residual)
         accept = torch.where(is_greedy, accept, random_accept)
