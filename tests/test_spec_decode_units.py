@@ -412,6 +412,9 @@ def test_a_stop_inside_an_accepted_run_drops_the_rest():
     updates = scheduler.update(out, spec_result(out, {"a": [11, 99, 13, 14]}))  # EOS second
     assert updates[0].finished and updates[0].new_token_ids == [11, 99]
     assert request.output_token_ids == [10, 11, 99] and request.status == RequestStatus.FINISHED_STOPPED
+    # The stats keep the verifier's count, as vLLM's do: 3 drafts accepted, 2 of them emitted.
+    assert request.spec_stats.to_dict(detailed=True)["per_step_accepted"] == [3]
+    assert scheduler.spec.counters.snapshot()["num_accepted_tokens"] == 3
     # Under min_tokens the EOS does not stop (the sampler bans it; here it is forced through).
     scheduler, _ = make_spec_scheduler(k=3)
     request = add_request(scheduler, "b", min_tokens=5)

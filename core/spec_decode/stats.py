@@ -6,6 +6,11 @@ the counts keep the drafts verified and the drafts accepted (the bonus token eve
 is not a draft): ``mean_acceptance_length = 1 + accepted / spec steps`` (tokens per spec step),
 ``draft_acceptance_rate = accepted / drafts``, and ``acceptance_histogram[j]`` = the spec steps
 that accepted exactly ``j`` drafts.
+
+The counts are the verifier's: a draft the target accepted counts even where a stop (EOS, a stop
+token or string, ``max_tokens``) earlier in the same step keeps it out of the output, as vLLM
+counts them (its scheduler records a step's acceptance before it checks the stop). They measure
+the drafts, not the completion's length.
 """
 
 from __future__ import annotations
