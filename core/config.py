@@ -370,7 +370,7 @@ def _draft_model_config(speculative: SpeculativeConfig | None, target: ModelConf
 
     try:
         files = resolve_model_files(speculative.model, None)
-    except FileNotFoundError as error:
+    except (FileNotFoundError, ValueError) as error:  # the message names the path, not the field
         raise ValueError(f"speculative_config.model: {error}") from error
     _check_load_format(load_format, files.weights_path)
     vocab_size = getattr(files.hf_config, "vocab_size", None)

@@ -92,6 +92,9 @@ def test_a_draft_with_another_vocabulary_is_a_startup_error(tiny_llama_path, tmp
     with pytest.raises(ValueError, match="speculative_config.model"):
         EngineArgs(str(tiny_llama_path), speculative_config={
             "method": "draft_model", "model": str(tmp_path / "missing"), "num_speculative_tokens": 2}).create_config()
+    with pytest.raises(ValueError, match="speculative_config.model: model path .*config.json' is a file but not"):
+        EngineArgs(str(tiny_llama_path), speculative_config={
+            "method": "draft_model", "model": str(other / "config.json"), "num_speculative_tokens": 2}).create_config()
 
 
 # ---- adaptive rule and stats ---------------------------------------------------------------
