@@ -60,9 +60,26 @@ def engine(model, device, speculative=None, **options):
     return LLM(model, device=device, speculative_config=speculative, **options)
 
 
+def timed_runs(run, reset_prefix_cache, repeats: int) -> tuple[object, list[float], int]:
+    """Call ``run()`` ``repeats`` times, each from an empty prefix cache so that every run computes
+    its prompts: (the last run's result, each run's seconds, the index of the median run)."""
+    times = []
+    for _ in range(repeats):
+        reset_prefix_cache()
+        start = time.perf_counter()
+        result = run()
+        times.append(time.perf_counter() - start)
+    return result, times, sorted(range(repeats), key=times.__getitem__)[repeats // 2]
+
+
+def spread_of(times: list[float]) -> dict:
+    """The row fields that say how far repeated runs spread (none for one run)."""
+    return {"repeats": len(times), "slowest_s": max(times), "fastest_s": min(times)} if len(times) > 1 else {}
+
+
 def timed_generate(llm, prompts, params, chat: bool, repeats: int = 1):
-    """Run ``prompts`` ``repeats`` times (the prefix cache emptied before each run but the first)
-    and time each: the row gives the median run, the draft counters' mean per run."""
+    """Run ``prompts`` ``repeats`` times (``timed_runs``): the row gives the median run, and the
+    draft counters' mean per run."""
     engine_ = llm.engine
     steps = []
     original = engine_.step
@@ -71,25 +88,19 @@ def timed_generate(llm, prompts, params, chat: bool, repeats: int = 1):
         steps[-1] += 1
         return original()
 
+    def run():
+        steps.append(0)
+        return llm.chat(prompts, params, use_tqdm=False) if chat else llm.generate(prompts, params, use_tqdm=False)
+
     engine_.step = counted
     spec = engine_.scheduler.spec
     before = spec.counters.snapshot() if spec is not None else None  # a warm-up run counted too
-    times = []
-    for run in range(repeats):
-        if run:
-            llm.reset_prefix_cache()  # each timed run computes its prompts
-        steps.append(0)
-        start = time.perf_counter()
-        outputs = llm.chat(prompts, params, use_tqdm=False) if chat else llm.generate(prompts, params, use_tqdm=False)
-        times.append(time.perf_counter() - start)
+    outputs, times, median = timed_runs(run, llm.reset_prefix_cache, repeats)
     engine_.step = original
-    median = sorted(range(repeats), key=times.__getitem__)[repeats // 2]
     seconds = times[median]
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     row = {"seconds": seconds, "output_tokens": num_out, "tok_per_s": num_out / seconds, "steps": steps[median],
-           "step_ms": 1e3 * seconds / max(steps[median], 1)}
-    if repeats > 1:
-        row |= {"repeats": repeats, "slowest_s": max(times), "fastest_s": min(times)}
+           "step_ms": 1e3 * seconds / max(steps[median], 1), **spread_of(times)}
     if spec is not None:
         after = spec.counters.snapshot()
         c = {key: (after[key] - before[key]) / repeats
@@ -147,8 +158,7 @@ def ngram(args):
         options = dict(max_model_len=1024, max_num_seqs=max(batch, 1))
         for k in [0] + args.k:
             llm = engine(args.model, args.device, ngram_config(k), **options)
-            llm.chat(repeat_prompts(batch), params, use_tqdm=False)  # compiles what the timed run meets
-            llm.reset_prefix_cache()  # the timed run computes its prompts, as vLLM's does
+            llm.chat(repeat_prompts(batch), params, use_tqdm=False)  # compiles what the timed runs meet
             outputs, row = timed_generate(llm, repeat_prompts(batch), params, chat=True, repeats=args.repeats)
             tokens = [list(o.outputs[0].token_ids) for o in outputs]
             answers.setdefault(batch, tokens)
@@ -180,20 +190,14 @@ def vllm_ngram_runs(args, k: int) -> list[dict]:
     for batch in args.batch:
         llm.chat(repeat_prompts(batch), params, use_tqdm=False)  # warm-up, as Weir's
         before = vllm_spec_counters(llm)
-        times = []
-        for _ in range(args.repeats):
-            llm.reset_prefix_cache()
-            start = time.perf_counter()
-            outputs = llm.chat(repeat_prompts(batch), params, use_tqdm=False)
-            times.append(time.perf_counter() - start)
-        seconds = sorted(times)[args.repeats // 2]
+        outputs, times, median = timed_runs(lambda: llm.chat(repeat_prompts(batch), params, use_tqdm=False),
+                                            llm.reset_prefix_cache, args.repeats)
         after = vllm_spec_counters(llm)
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
         num_out = sum(map(len, tokens))
+        seconds = times[median]
         row = {"engine": f"vllm {vllm.__version__}", "batch": batch, "k": k, "seconds": seconds,
-               "output_tokens": num_out, "tok_per_s": num_out / seconds}
-        if args.repeats > 1:
-            row |= {"repeats": args.repeats, "slowest_s": max(times), "fastest_s": min(times)}
+               "output_tokens": num_out, "tok_per_s": num_out / seconds, **spread_of(times)}
         if k:
             drafts = (after["num_draft_tokens"] - before["num_draft_tokens"]) / args.repeats
             accepted = (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / args.repeats

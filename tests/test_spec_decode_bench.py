@@ -80,7 +80,7 @@ def test_ngram_rows_report_repeats_counters_and_whether_the_answers_agree(tmp_pa
         assert row["repeats"] == 3 and row["fastest_s"] <= row["seconds"] <= row["slowest_s"]
         assert row["same_answers_as_weir_k0"] is True  # greedy n-gram drafts change no token
         assert row["tok_per_s"] == pytest.approx(row["output_tokens"] / row["seconds"])
-    assert weir[1]["draft_tokens"] >= 0 and 0 <= weir[1]["acceptance_rate"] <= 1
+    assert "draft_tokens" not in weir[0] and {"draft_tokens", "accepted", "acceptance_rate"} <= weir[1].keys()
 
     vllm = [r for r in rows if r["engine"] != "weir"]
     assert [(r["engine"], r["k"]) for r in vllm] == [("vllm 0.0.0-fake", 0), ("vllm 0.0.0-fake", 2)]

@@ -159,8 +159,8 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llama_path, async_sch
 
 def test_seeded_sampling_gives_the_tokens_of_sampling_without_drafts(tiny_llama_path):
     """A seeded sampled request emits the tokens plain sampling gives, however many drafts each
-    step verified: with n-gram drafts, and with a token budget so small that a neighbour's
-    prefill leaves room for fewer drafts than the proposer offered."""
+    step verified: with n-gram drafts at the default token budget and at an 8-token one, where
+    what else a step holds decides how many drafts fit."""
     prompts = repetitive_prompts(4)
     params = [SamplingParams(temperature=0.3, top_k=20, seed=200 + i, max_tokens=NUM_TOKENS, ignore_eos=True)
               for i in range(len(prompts))]

@@ -302,6 +302,11 @@ class DeepseekDecoderLayer(nn.Module):
         return self.mlp(hidden_states, ctx), residual
 
 
+def num_mtp_layers(hf_config: Any) -> int:
+    """The MTP modules the config declares (``num_nextn_predict_layers``; absent or null: none)."""
+    return int(getattr(hf_config, "num_nextn_predict_layers", None) or 0)
+
+
 def mtp_layer_pattern(num_layers: int, num_mtp: int) -> str:
     """Checkpoint names of the MTP modules the config declares: layers ``num_layers`` to
     ``num_layers + num_mtp - 1``. Any other layer past the last is no part of the model, and
@@ -314,7 +319,7 @@ def mtp_layer_pattern(num_layers: int, num_mtp: int) -> str:
 def ignored_checkpoint_patterns(hf_config: Any) -> tuple[str, ...]:
     """What a DeepSeek-style model skips in its checkpoint: the rotary caches, and the declared
     MTP modules (``num_nextn_predict_layers``, loaded by the ``mtp`` draft head where there is one)."""
-    num_mtp = int(getattr(hf_config, "num_nextn_predict_layers", None) or 0)
+    num_mtp = num_mtp_layers(hf_config)
     mtp = (mtp_layer_pattern(hf_config.num_hidden_layers, num_mtp),) if num_mtp else ()
     return (r"rotary_emb\.inv_freq$", *mtp)
 
@@ -368,14 +373,13 @@ class DeepseekV3MTP(TargetSharedHead):
     @staticmethod
     def checkpoint_pattern(hf_config: Any) -> str:
         """The checkpoint names this head loads (a regular expression)."""
-        num_mtp = int(getattr(hf_config, "num_nextn_predict_layers", None) or 0)
-        return mtp_layer_pattern(hf_config.num_hidden_layers, max(num_mtp, 1))  # 0: __init__ refuses
+        return mtp_layer_pattern(hf_config.num_hidden_layers, max(num_mtp_layers(hf_config), 1))  # 0: __init__ refuses
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         hf_config = config.hf_config
         num_layers = hf_config.num_hidden_layers
-        num_mtp = int(getattr(hf_config, "num_nextn_predict_layers", None) or 0)
+        num_mtp = num_mtp_layers(hf_config)
         if num_mtp < 1:
             raise ValueError("num_nextn_predict_layers is 0 in the config: the checkpoint has no MTP module")
         self.ignored_checkpoint_patterns = (r"rotary_emb\.inv_freq$",
@@ -419,7 +423,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         hf_config = config.hf_config
         num_layers = hf_config.num_hidden_layers
         self.ignored_checkpoint_patterns = ignored_checkpoint_patterns(hf_config)
-        num_mtp = getattr(hf_config, "num_nextn_predict_layers", None) or 0
+        num_mtp = num_mtp_layers(hf_config)
         if num_mtp:
             use = ("speculative_config method 'mtp' loads them as its draft head" if self.mtp_head_class is not None
                    else "Weir has no draft head for them")

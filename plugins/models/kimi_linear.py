@@ -35,7 +35,7 @@ from weir.layers.norm import SigmoidGatedRMSNorm
 from weir.linear_attention import KimiDeltaAttentionLayerSpec
 from weir.mla import MLALayerSpec
 from weir.plugins.models.deepseek_v3 import (STACKED_PARAMS, DeepseekMoE, MLAAttention, ignored_checkpoint_patterns,
-                                             is_moe_layer)
+                                             is_moe_layer, num_mtp_layers)
 
 logger = logging.getLogger(__name__)
 
@@ -290,7 +290,7 @@ class KimiLinearForCausalLM(nn.Module):
         check_supported(hf_config)
         num_layers = hf_config.num_hidden_layers
         self.ignored_checkpoint_patterns = ignored_checkpoint_patterns(hf_config)
-        num_mtp = getattr(hf_config, "num_nextn_predict_layers", None) or 0
+        num_mtp = num_mtp_layers(hf_config)
         if num_mtp:
             logger.info("%s: the checkpoint's %d MTP layer(s) (model.layers.%d.* on) are not loaded",
                         type(self).__name__, num_mtp, num_layers)
