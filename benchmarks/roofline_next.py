@@ -1,10 +1,14 @@
-"""The memory-bandwidth floor of a hybrid MoE model's nano-bench: how fast any engine could run it.
+"""The floor of a MoE model's nano-bench (or long-context) workload: how fast any engine could run it.
 
     python3 -m benchmarks.roofline_next [benchmarks/models/qwen3-next-24l] [--bandwidth 4.3e12] [--peer 5662]
     python3 -m benchmarks.roofline_next benchmarks/models/kimi-linear-48b --peer 3917
+    python3 -m benchmarks.roofline_next benchmarks/models/deepseek-v32-7l --peer 4987
+    python3 -m benchmarks.roofline_next benchmarks/models/deepseek-v32-7l --workload longctx --peer 541
 
-Qwen3-Next (Gated DeltaNet + full attention) and Kimi Linear (Kimi Delta Attention + MLA, whose
-cache is one latent of ``kv_lora_rank + qk_rope_head_dim`` values per token and layer).
+Qwen3-Next (Gated DeltaNet + full attention), Kimi Linear (Kimi Delta Attention + MLA, whose
+cache is one latent of ``kv_lora_rank + qk_rope_head_dim`` values per token and layer) and
+DeepSeek-V3 / V3.2 (MLA on every layer; V3.2's sparse layers also keep a bf16 indexer key per
+token, as Weir does, and attend to at most ``index_topk`` keys).
 
 Per decode batch-size bucket it also prints the floor's mean ms per step, to set beside the
 buckets of ``benchmarks/profile_steps.py`` (where a real run loses its time).
@@ -14,10 +18,15 @@ embedding, of which it gathers a few rows), every expert some token of the batch
 running request's recurrent state (read and written back; conv states are left out, under 1%
 of it) and its KV cache. Routing is taken as
 uniform (random weights route close to that): a batch of ``b`` tokens touches
-``E * (1 - (1 - k/E)^b)`` of the ``E`` experts on average. Prefill is charged its matmul FLOPs at
-``--tflops``. Requests are assumed to all decode from the first step (no prefill in between),
-which only lowers the floor. No kernel reaches the device's copy bandwidth on every byte, so a
-real engine sits above these times; the ratio measured / floor says how close it gets.
+``E * (1 - (1 - k/E)^b)`` of the ``E`` experts on average. MLA's decode attention is charged its
+absorbed-form FLOPs too (128 heads over a shared latent make it compute-bound at long contexts):
+a step takes the longer of its bytes at ``--bandwidth`` and its FLOPs at ``--tflops``.
+Prefill is charged its matmul FLOPs at ``--tflops``: every active weight once per prompt token
+(the LM head once per request), plus MLA's attention in the cheaper expanded form (640 FLOPs per
+query, key and head) and V3.2's indexer scores for queries past ``index_topk``. Requests are
+assumed to all decode from the first step (no prefill in between), which only lowers the floor.
+No kernel reaches the device's copy bandwidth on every byte, so a real engine sits above these
+times; the ratio measured / floor says how close it gets.
 """
 
 from __future__ import annotations
@@ -31,42 +40,101 @@ import torch
 import transformers
 
 from benchmarks.profile_steps import BUCKETS
-from weir.cli.bench.throughput import random_workload
+from benchmarks.race import LONGCTX_RANGE, LONGCTX_REQUESTS, NANO_RANGE
+from weir.cli.bench.throughput import parse_random_range, random_workload
 
 GiB = 2**30
+# MLA's FLOPs per (query, key, head): absorbed (decode: q . [c, k_pe] over 576 dims, p . c over
+# 512) and expanded (prefill: 192-dim q . k, 128-dim p . v).
+ABSORBED_FLOPS, EXPANDED_FLOPS = 2 * (512 + 64) + 2 * 512, 2 * (128 + 64) + 2 * 128
 
 
-def weight_bytes(model_dir: Path) -> tuple[int, int, int]:
-    """(expert, embedding, other) weight bytes in bf16, counted on a meta-device transformers model."""
+def weight_bytes(model_dir: Path) -> tuple[int, int, int, int]:
+    """(expert, embedding, LM head, other) weight bytes in bf16, counted on a meta-device
+    transformers model."""
     config = transformers.AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
-    expert = embedding = other = 0
+    expert = embedding = head = other = 0
     for name, parameter in model.named_parameters():
         size = parameter.numel() * 2
         if ".experts." in name:
             expert += size
         elif "embed_tokens" in name:
             embedding += size
+        elif name.startswith("lm_head"):
+            head += size
         else:
             other += size
-    return expert, embedding, other
+    return expert, embedding, head, other
 
 
-def cache_sizes(config: dict) -> tuple[int, int]:
-    """(recurrent-state elements per request, KV-cache bytes per token in bf16) of all layers."""
-    if config["model_type"] == "kimi_linear":
-        linear = config["linear_attn_config"]
-        state = len(linear["kda_layers"]) * linear["num_heads"] * linear["head_dim"] ** 2
-        latent = config["kv_lora_rank"] + config["qk_rope_head_dim"]
-        return state, len(linear["full_attn_layers"]) * latent * 2
-    layer_types = config.get("layer_types") or [
-        "full_attention" if (index + 1) % config["full_attention_interval"] == 0 else "linear_attention"
-        for index in range(config["num_hidden_layers"])]
-    state = (layer_types.count("linear_attention") * config["linear_num_value_heads"]
-             * config["linear_key_head_dim"] * config["linear_value_head_dim"])
-    kv = layer_types.count("full_attention") * 2 * config["num_key_value_heads"] * config["head_dim"] * 2
-    return state, kv
+class AttentionCost:
+    """Bytes and FLOPs of a family's attention: per decode step over its requests' context
+    lengths, and per prefilled prompt."""
+
+    def __init__(self, config: dict):
+        self.state_elements = 0  # recurrent-state elements per request (all linear layers)
+        self.kv_bytes_per_token = 0  # bf16 KV-cache bytes per token read whole by decode
+        self.mla_layers = 0  # layers whose decode attention is charged absorbed MLA FLOPs
+        self.sparse_layers = 0  # of those, DSA layers (indexer + top-k attention)
+        self.latent_bytes = self.index_key_bytes = self.index_flops = self.topk = self.heads = 0
+        if config["model_type"] == "kimi_linear":
+            linear = config["linear_attn_config"]
+            self.state_elements = len(linear["kda_layers"]) * linear["num_heads"] * linear["head_dim"] ** 2
+            latent = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+            self.kv_bytes_per_token = len(linear["full_attn_layers"]) * latent * 2
+        elif config["model_type"] in ("deepseek_v3", "deepseek_v32"):
+            self.mla_layers, self.heads = config["num_hidden_layers"], config["num_attention_heads"]
+            self.latent_bytes = (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 2
+            if config["model_type"] == "deepseek_v32":
+                self.sparse_layers, self.topk = self.mla_layers, config["index_topk"]
+                self.index_key_bytes = config["index_head_dim"] * 2
+                self.index_flops = 2 * config["index_n_heads"] * config["index_head_dim"]  # per (query, key)
+        else:
+            layer_types = config.get("layer_types") or [
+                "full_attention" if (index + 1) % config["full_attention_interval"] == 0 else "linear_attention"
+                for index in range(config["num_hidden_layers"])]
+            self.state_elements = (layer_types.count("linear_attention") * config["linear_num_value_heads"]
+                                   * config["linear_key_head_dim"] * config["linear_value_head_dim"])
+            self.kv_bytes_per_token = (layer_types.count("full_attention") * 2 * config["num_key_value_heads"]
+                                       * config["head_dim"] * 2)
+
+    def keys_attended(self, context: int) -> int:
+        return min(context, self.topk) if self.sparse_layers else context
+
+    def decode(self, contexts: list[int], state_itemsize: int) -> tuple[float, float]:
+        """(bytes, FLOPs) of one decode step of requests with these context lengths."""
+        step_bytes = 2 * self.state_elements * state_itemsize * len(contexts) + sum(contexts) * self.kv_bytes_per_token
+        flops = 0.0
+        for context in contexts:
+            keys = self.keys_attended(context)
+            step_bytes += self.mla_layers * keys * self.latent_bytes
+            flops += self.mla_layers * keys * self.heads * ABSORBED_FLOPS
+            if self.sparse_layers and context > self.topk:  # the indexer scores every key
+                step_bytes += self.sparse_layers * context * self.index_key_bytes
+                flops += self.sparse_layers * context * self.index_flops
+        return step_bytes, flops
+
+    def prefill_flops(self, prompt_len: int) -> float:
+        """Attention FLOPs of prefilling one prompt (MLA families only): expanded attention over
+        each query's keys, and the indexer over the causal prefix where it must choose."""
+        if not self.mla_layers:
+            return 0.0
+        flops = 0.0
+        for position in range(prompt_len):
+            keys = self.keys_attended(position + 1)
+            flops += self.mla_layers * keys * self.heads * EXPANDED_FLOPS
+            if self.sparse_layers and position + 1 > self.topk:
+                flops += self.sparse_layers * (position + 1) * self.index_flops
+        return flops
+
+
+def workload(name: str, num_prompts: int | None) -> tuple[list[list[int]], list[int]]:
+    """The race's workloads (``benchmarks/race.py``): nano-bench, or its long-context batch."""
+    text, default_prompts = (NANO_RANGE, 256) if name == "nano" else (LONGCTX_RANGE, LONGCTX_REQUESTS)
+    input_range, output_range = parse_random_range(text)
+    return random_workload(num_prompts or default_prompts, input_range, output_range, 0, 10000)
 
 
 def main() -> None:
@@ -74,44 +142,55 @@ def main() -> None:
     parser.add_argument("model", nargs="?", default="benchmarks/models/qwen3-next-24l")
     parser.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s a kernel can stream")
     parser.add_argument("--tflops", type=float, default=700.0, help="bf16 matmul TFLOP/s charged to prefill")
-    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--workload", choices=("nano", "longctx"), default="nano",
+                        help=f"nano-bench (lengths {NANO_RANGE}) or the long-context batch ({LONGCTX_RANGE})")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help=f"requests (default 256 for nano, {LONGCTX_REQUESTS} for longctx)")
     parser.add_argument("--peer", type=float, default=None, help="a peer's output tok/s, for the ceiling ratio")
     args = parser.parse_args()
     model_dir = Path(args.model)
     config = json.loads((model_dir / "config.json").read_text())
-    expert_bytes, embedding_bytes, other_bytes = weight_bytes(model_dir)
-    num_experts = config["num_experts"]
+    expert_bytes, embedding_bytes, head_bytes, other_bytes = weight_bytes(model_dir)
+    num_experts = config.get("num_experts") or config["n_routed_experts"]
     top_k = config.get("num_experts_per_tok") or config["num_experts_per_token"]
-    state_elements, kv_bytes_per_token = cache_sizes(config)
-    active_params = (other_bytes + expert_bytes * top_k / num_experts) / 2  # per token, embedding excluded
-    prompts, max_tokens = random_workload(args.num_prompts, (100, 1024), (100, 1024), 0, 10000)
-    prompt_tokens, output_tokens = sum(map(len, prompts)), sum(max_tokens)
-    prefill_seconds = prompt_tokens * 2 * active_params / (args.tflops * 1e12)
+    attention = AttentionCost(config)
+    active_params = (other_bytes + expert_bytes * top_k / num_experts) / 2  # per token, embedding and head excluded
+    prompts, max_tokens = workload(args.workload, args.num_prompts)
+    num_prompts, prompt_tokens, output_tokens = len(prompts), sum(map(len, prompts)), sum(max_tokens)
+    prefill_flops = (prompt_tokens * 2 * active_params + num_prompts * head_bytes
+                     + sum(attention.prefill_flops(len(prompt)) for prompt in prompts))
+    prefill_seconds = prefill_flops / (args.tflops * 1e12)
     print(f"weights: experts {expert_bytes / GiB:.2f} GiB, embedding {embedding_bytes / GiB:.2f} GiB, "
-          f"other {other_bytes / GiB:.2f} GiB; {active_params / 1e9:.2f} B active params per token")
-    print(f"workload: {args.num_prompts} requests, {prompt_tokens:,} prompt + {output_tokens:,} output tokens; "
-          f"prefill floor {prefill_seconds:.2f} s at {args.tflops:.0f} TFLOP/s")
-    for state_name, state_itemsize in (("float32", 4), ("bfloat16", 2)):
+          f"LM head {head_bytes / GiB:.2f} GiB, other {other_bytes / GiB:.2f} GiB; "
+          f"{active_params / 1e9:.2f} B active params per token")
+    print(f"workload {args.workload}: {num_prompts} requests, {prompt_tokens:,} prompt + {output_tokens:,} output "
+          f"tokens; prefill floor {prefill_seconds:.2f} s at {args.tflops:.0f} TFLOP/s")
+    for state_name, state_itemsize in (("float32", 4), ("bfloat16", 2)) if attention.state_elements else (("no", 0),):
         decode_seconds, step_at_full_batch = 0.0, None
         bucket_seconds, bucket_steps = collections.Counter(), collections.Counter()
+        compute_bound_steps = 0
         for step in range(max(max_tokens)):
-            running = [index for index in range(args.num_prompts) if max_tokens[index] > step]
+            running = [index for index in range(num_prompts) if max_tokens[index] > step]
             batch = len(running)
             touched = num_experts * (1 - (1 - top_k / num_experts) ** batch)
-            context_tokens = sum(len(prompts[index]) + step for index in running)
-            step_bytes = (other_bytes + touched / num_experts * expert_bytes
-                          + 2 * state_elements * state_itemsize * batch + context_tokens * kv_bytes_per_token)
-            decode_seconds += step_bytes / args.bandwidth
+            cache_bytes, attention_flops = attention.decode([len(prompts[index]) + step for index in running],
+                                                            state_itemsize)
+            step_bytes = other_bytes + head_bytes + touched / num_experts * expert_bytes + cache_bytes
+            step_flops = 2 * batch * (active_params + head_bytes / 2) + attention_flops
+            step_seconds = max(step_bytes / args.bandwidth, step_flops / (args.tflops * 1e12))
+            compute_bound_steps += step_seconds > step_bytes / args.bandwidth
+            decode_seconds += step_seconds
             bucket = next(label for low, label in BUCKETS if batch >= low)
-            bucket_seconds[bucket] += step_bytes / args.bandwidth
+            bucket_seconds[bucket] += step_seconds
             bucket_steps[bucket] += 1
             if step_at_full_batch is None:
-                step_at_full_batch = step_bytes / args.bandwidth
+                step_at_full_batch = step_seconds
         total = decode_seconds + prefill_seconds
         ceiling = output_tokens / total
         peer = f", {ceiling / args.peer:.2f}x the peer's {args.peer:,.0f}" if args.peer else ""
-        print(f"{state_name} state: decode floor {decode_seconds:.2f} s (a batch-{args.num_prompts} step "
-              f"{step_at_full_batch * 1e3:.1f} ms), with prefill {total:.2f} s = at most "
+        bound = f" ({compute_bound_steps} of {max(max_tokens)} steps FLOP-bound)" if compute_bound_steps else ""
+        print(f"{state_name} state: decode floor {decode_seconds:.2f} s (a batch-{num_prompts} step "
+              f"{step_at_full_batch * 1e3:.1f} ms){bound}, with prefill {total:.2f} s = at most "
               f"{ceiling:,.0f} output tok/s{peer}")
         per_step = [f"{label} {bucket_steps[label]} steps {bucket_seconds[label] / bucket_steps[label] * 1e3:.2f} ms"
                     for _, label in BUCKETS if bucket_steps[label]]

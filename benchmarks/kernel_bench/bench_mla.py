@@ -158,14 +158,24 @@ def compiled_variants(kernel) -> int:
 
 
 def compiled_stats(kernel) -> str:
-    """Registers, spills and matrix instructions of the variant compiled last (wgmma: Hopper's)."""
+    """Registers, spills, shared memory and matrix instructions of the variant compiled last (wgmma:
+    Hopper's)."""
     compiled = [entry for caches in kernel.device_caches.values() for entry in caches[0].values()]
     if not compiled:
         return ""
     last = compiled[-1]
     ptx = last.asm.get("ptx", "")
     matrix = "wgmma" if "wgmma" in ptx else ("mma" if "mma.sync" in ptx else "no-mma")
-    return f"regs={last.n_regs} spills={last.n_spills} {matrix}"
+    shared = getattr(last.metadata, "shared", 0)
+    return f"regs={last.n_regs} spills={last.n_spills} smem={shared // 1024}KiB {matrix}"
+
+
+def row_with_stats(kernel, timed_row) -> tuple[str, str]:
+    """``timed_row()``'s line, and the stats of the variant it compiled (none if it compiled none:
+    the stats are the last compiled variant's)."""
+    variants = compiled_variants(kernel)
+    row = timed_row()
+    return row, compiled_stats(kernel) if compiled_variants(kernel) > variants else ""
 
 
 def stage_times(backend, sparse: bool, batch: int, context: int, block_size: int) -> str:
@@ -193,32 +203,38 @@ def stage_times(backend, sparse: bool, batch: int, context: int, block_size: int
     return f"  stages {'sparse' if sparse else 'dense'} B={batch} ctx={context}: {times} us"
 
 
-def sweep(backend, block_size: int) -> None:
+def sweep(backend, block_size: int, topk: bool = True) -> None:
+    """Top-k kernel variants (``topk``), then the attention tiles of DECODE_TILES."""
     from weir.plugins.attention.mla_triton_kernels import mla_attention_kernel
 
-    for batch, context in ((1, 16384), (32, 8192), (32, 16384), (256, 16384)):
+    for batch, context in ((1, 16384), (32, 8192), (32, 16384), (256, 16384)) if topk else ():
         for block, counting, warps in ((8192, False, 8), (16384, False, 16), (16384, True, 16), (16384, True, 8)):
             backend.topk_block, backend.topk_counting, backend.topk_warps = block, counting, warps
             label = f"top-k block={block} {'counting' if counting else 'radix'} warps={warps}"
             print(label, stage_times(backend, True, batch, context, block_size), flush=True)
     backend.topk_block, backend.topk_counting, backend.topk_warps = TOPK_BLOCK, False, 8
-    for sparse, batch, context in ((False, 256, 4096), (True, 256, 16384)):
-        for block_h, block_n, warps, stages in ((64, 64, 8, 3), (64, 32, 8, 3)):
-            backend.attention_tiles = MLATiles(block_h, block_n, warps, stages)
-            label = f"    tiles h={block_h} n={block_n} warps={warps} stages={stages}"
+    for sparse, batch, context in ((False, 256, 1024), (False, 256, 4096), (True, 256, 16384)):
+        for tiles in DECODE_TILES:
+            backend.attention_tiles = tiles
+            label = tiles_label(tiles)
             try:  # some configs need more shared memory or registers than the SM has
-                row = decode_row(backend, sparse, batch, context, block_size, False)
-                print(label, row, compiled_stats(mla_attention_kernel), flush=True)
+                print(label, *row_with_stats(mla_attention_kernel, lambda: decode_row(
+                    backend, sparse, batch, context, block_size, False)), flush=True)
             except Exception as error:  # noqa: BLE001 - a failed config is a result of the sweep
                 print(f"{label}: failed ({type(error).__name__}: {str(error)[:80]})", flush=True)
             torch.cuda.empty_cache()
         backend.attention_tiles = None
 
 
-# (block_h, block_n, warps, stages) tried for prefill: the decode default first, then all 128
-# heads in one program (each gathered key tile loaded once for every head, not once per 64).
-PREFILL_TILES = ((64, 64, 8, 3), (64, 32, 8, 3), (64, 64, 8, 2), (64, 128, 8, 2), (128, 64, 16, 2),
-                 (128, 32, 16, 3), (128, 64, 8, 2))
+def tiles_label(tiles: MLATiles) -> str:
+    return f"    tiles h={tiles.block_h} n={tiles.block_n} warps={tiles.num_warps} stages={tiles.num_stages}"
+
+
+# Attention tiles tried for decode, the default first.
+DECODE_TILES = (MLATiles(64, 64, 8, 3), MLATiles(64, 32, 8, 3), MLATiles(64, 64, 8, 2))
+# Tried for prefill: the same, then all 128 heads in one program (each gathered key tile loaded
+# once for every head, not once per 64; on an H200 these fail to compile: registers, shared memory).
+PREFILL_TILES = DECODE_TILES + (MLATiles(64, 128, 8, 2), MLATiles(128, 64, 16, 2), MLATiles(128, 32, 16, 3))
 
 
 def prefill_sweep(backend, block_size: int) -> None:
@@ -226,16 +242,12 @@ def prefill_sweep(backend, block_size: int) -> None:
     from weir.plugins.attention.mla_triton_kernels import mla_attention_kernel
 
     for sparse, query_len, seq_len in ((True, 2048, 16384), (True, 8192, 8192), (False, 2048, 2048)):
-        for block_h, block_n, warps, stages in PREFILL_TILES:
-            backend.attention_tiles = MLATiles(block_h, block_n, warps, stages)
-            label = f"    tiles h={block_h} n={block_n} warps={warps} stages={stages}"
+        for tiles in PREFILL_TILES:
+            backend.attention_tiles = tiles
+            label = tiles_label(tiles)
             try:  # some configs need more shared memory or registers than the SM has
-                variants = compiled_variants(mla_attention_kernel)
-                row = prefill_row(backend, sparse, query_len, seq_len, block_size)
-                # The stats are the last compiled variant's: this row's only if it compiled one.
-                compiled_one = compiled_variants(mla_attention_kernel) > variants
-                stats = compiled_stats(mla_attention_kernel) if compiled_one else ""
-                print(label, row, stats, flush=True)
+                print(label, *row_with_stats(mla_attention_kernel, lambda: prefill_row(
+                    backend, sparse, query_len, seq_len, block_size)), flush=True)
             except Exception as error:  # noqa: BLE001 - a failed config is a result of the sweep
                 print(f"{label}: failed ({type(error).__name__}: {str(error)[:80]})", flush=True)
             torch.cuda.empty_cache()
@@ -248,13 +260,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer decode points, no torch at batch 256")
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--only-sweep", action="store_true", help="the sweep alone")
+    parser.add_argument("--no-topk-sweep", action="store_true", help="sweep the attention tiles only")
     parser.add_argument("--prefill-sweep", action="store_true", help="only sweep the attention tiles of prefill steps")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}  triton {triton.__version__}  torch {torch.__version__}  "
           f"block_size {args.block_size}  (H={HEADS}, latent {LORA}+{ROPE}, bf16)", flush=True)
     backend = TritonMLABackend(args.block_size, DTYPE, torch.device("cuda"))
     if args.only_sweep:
-        sweep(backend, args.block_size)
+        sweep(backend, args.block_size, topk=not args.no_topk_sweep)
         return
     if args.prefill_sweep:
         prefill_sweep(backend, args.block_size)
