@@ -7,8 +7,8 @@
 
 Qwen3-Next (Gated DeltaNet + full attention), Kimi Linear (Kimi Delta Attention + MLA, whose
 cache is one latent of ``kv_lora_rank + qk_rope_head_dim`` values per token and layer) and
-DeepSeek-V3 / V3.2 (MLA on every layer; V3.2's sparse layers also keep a bf16 indexer key per
-token, as Weir does, and attend to at most ``index_topk`` keys).
+DeepSeek-V3 / V3.2 (MLA on every layer; V3.2's sparse layers also keep an indexer key per token,
+charged as vLLM stores it, fp8 with an fp32 scale, and attend to at most ``index_topk`` keys).
 
 Per decode batch-size bucket it also prints the floor's mean ms per step, to set beside the
 buckets of ``benchmarks/profile_steps.py`` (where a real run loses its time).
@@ -23,10 +23,14 @@ absorbed-form FLOPs too (128 heads over a shared latent make it compute-bound at
 a step takes the longer of its bytes at ``--bandwidth`` and its FLOPs at ``--tflops``.
 Prefill is charged its matmul FLOPs at ``--tflops``: every active weight once per prompt token
 (the LM head once per request), plus MLA's attention in the cheaper expanded form (640 FLOPs per
-query, key and head) and V3.2's indexer scores for queries past ``index_topk``. Requests are
-assumed to all decode from the first step (no prefill in between), which only lowers the floor.
-No kernel reaches the device's copy bandwidth on every byte, so a real engine sits above these
-times; the ratio measured / floor says how close it gets.
+query, key and head) and V3.2's indexer scores for queries past ``index_topk``; prefill also
+gives each request its first output token, so a request of ``m`` tokens decodes ``m - 1`` steps.
+Requests are assumed to all decode from the first step (no prefill in between), which only lowers
+the floor. Two totals: prefill then decode (the sum), and the floor proper, for an engine that hides
+prefill FLOPs under the weight streaming of decode steps (chunked prefill in mixed steps):
+the longer of all decode bytes at ``--bandwidth`` and all FLOPs at ``--tflops``. The ceiling is
+that floor's. No kernel reaches the device's copy bandwidth on every byte, so a real engine sits
+above these times; the ratio measured / floor says how close it gets.
 """
 
 from __future__ import annotations
@@ -44,9 +48,6 @@ from benchmarks.race import LONGCTX_RANGE, LONGCTX_REQUESTS, NANO_RANGE
 from weir.cli.bench.throughput import parse_random_range, random_workload
 
 GiB = 2**30
-# MLA's FLOPs per (query, key, head): absorbed (decode: q . [c, k_pe] over 576 dims, p . c over
-# 512) and expanded (prefill: 192-dim q . k, 128-dim p . v).
-ABSORBED_FLOPS, EXPANDED_FLOPS = 2 * (512 + 64) + 2 * 512, 2 * (128 + 64) + 2 * 128
 
 
 def weight_bytes(model_dir: Path) -> tuple[int, int, int, int]:
@@ -79,6 +80,9 @@ class AttentionCost:
         self.mla_layers = 0  # layers whose decode attention is charged absorbed MLA FLOPs
         self.sparse_layers = 0  # of those, DSA layers (indexer + top-k attention)
         self.latent_bytes = self.index_key_bytes = self.index_flops = self.topk = self.heads = 0
+        # MLA's FLOPs per (query, key, head): absorbed (decode: q . [c, k_pe], then p . c) and
+        # expanded (prefill: q . k over the nope and rope dims, then p . v).
+        self.absorbed_flops = self.expanded_flops = 0
         if config["model_type"] == "kimi_linear":
             linear = config["linear_attn_config"]
             self.state_elements = len(linear["kda_layers"]) * linear["num_heads"] * linear["head_dim"] ** 2
@@ -86,10 +90,13 @@ class AttentionCost:
             self.kv_bytes_per_token = len(linear["full_attn_layers"]) * latent * 2
         elif config["model_type"] in ("deepseek_v3", "deepseek_v32"):
             self.mla_layers, self.heads = config["num_hidden_layers"], config["num_attention_heads"]
-            self.latent_bytes = (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 2
+            lora, rope = config["kv_lora_rank"], config["qk_rope_head_dim"]
+            self.latent_bytes = (lora + rope) * 2
+            self.absorbed_flops = 2 * (lora + rope) + 2 * lora
+            self.expanded_flops = 2 * (config["qk_nope_head_dim"] + rope) + 2 * config["v_head_dim"]
             if config["model_type"] == "deepseek_v32":
                 self.sparse_layers, self.topk = self.mla_layers, config["index_topk"]
-                self.index_key_bytes = config["index_head_dim"] * 2
+                self.index_key_bytes = config["index_head_dim"] + 4  # fp8 and an fp32 scale
                 self.index_flops = 2 * config["index_n_heads"] * config["index_head_dim"]  # per (query, key)
         else:
             layer_types = config.get("layer_types") or [
@@ -110,7 +117,7 @@ class AttentionCost:
         for context in contexts:
             keys = self.keys_attended(context)
             step_bytes += self.mla_layers * keys * self.latent_bytes
-            flops += self.mla_layers * keys * self.heads * ABSORBED_FLOPS
+            flops += self.mla_layers * keys * self.heads * self.absorbed_flops
             if self.sparse_layers and context > self.topk:  # the indexer scores every key
                 step_bytes += self.sparse_layers * context * self.index_key_bytes
                 flops += self.sparse_layers * context * self.index_flops
@@ -124,7 +131,7 @@ class AttentionCost:
         flops = 0.0
         for position in range(prompt_len):
             keys = self.keys_attended(position + 1)
-            flops += self.mla_layers * keys * self.heads * EXPANDED_FLOPS
+            flops += self.mla_layers * keys * self.heads * self.expanded_flops
             if self.sparse_layers and position + 1 > self.topk:
                 flops += self.sparse_layers * (position + 1) * self.index_flops
         return flops
@@ -166,32 +173,37 @@ def main() -> None:
     print(f"workload {args.workload}: {num_prompts} requests, {prompt_tokens:,} prompt + {output_tokens:,} output "
           f"tokens; prefill floor {prefill_seconds:.2f} s at {args.tflops:.0f} TFLOP/s")
     for state_name, state_itemsize in (("float32", 4), ("bfloat16", 2)) if attention.state_elements else (("no", 0),):
-        decode_seconds, step_at_full_batch = 0.0, None
+        decode_seconds, decode_bytes_seconds, decode_flops, step_at_full_batch = 0.0, 0.0, 0.0, None
         bucket_seconds, bucket_steps = collections.Counter(), collections.Counter()
-        compute_bound_steps = 0
-        for step in range(max(max_tokens)):
-            running = [index for index in range(num_prompts) if max_tokens[index] > step]
+        compute_bound_steps, num_steps = 0, max(max_tokens) - 1  # prefill gave each its first token
+        for step in range(num_steps):
+            running = [index for index in range(num_prompts) if max_tokens[index] - 1 > step]
             batch = len(running)
             touched = num_experts * (1 - (1 - top_k / num_experts) ** batch)
-            cache_bytes, attention_flops = attention.decode([len(prompts[index]) + step for index in running],
-                                                            state_itemsize)
+            cache_bytes, attention_flops = attention.decode(
+                [len(prompts[index]) + 1 + step for index in running], state_itemsize)
             step_bytes = other_bytes + head_bytes + touched / num_experts * expert_bytes + cache_bytes
             step_flops = 2 * batch * (active_params + head_bytes / 2) + attention_flops
             step_seconds = max(step_bytes / args.bandwidth, step_flops / (args.tflops * 1e12))
             compute_bound_steps += step_seconds > step_bytes / args.bandwidth
             decode_seconds += step_seconds
+            decode_bytes_seconds += step_bytes / args.bandwidth
+            decode_flops += step_flops
             bucket = next(label for low, label in BUCKETS if batch >= low)
             bucket_seconds[bucket] += step_seconds
             bucket_steps[bucket] += 1
             if step_at_full_batch is None:
                 step_at_full_batch = step_seconds
-        total = decode_seconds + prefill_seconds
+        sequential = decode_seconds + prefill_seconds
+        total = max(decode_bytes_seconds, (prefill_flops + decode_flops) / (args.tflops * 1e12))
         ceiling = output_tokens / total
         peer = f", {ceiling / args.peer:.2f}x the peer's {args.peer:,.0f}" if args.peer else ""
-        bound = f" ({compute_bound_steps} of {max(max_tokens)} steps FLOP-bound)" if compute_bound_steps else ""
+        sequential_peer = f", {output_tokens / sequential / args.peer:.2f}x" if args.peer else ""
+        bound = f" ({compute_bound_steps} of {num_steps} steps FLOP-bound)" if compute_bound_steps else ""
         print(f"{state_name} state: decode floor {decode_seconds:.2f} s (a batch-{num_prompts} step "
-              f"{step_at_full_batch * 1e3:.1f} ms){bound}, with prefill {total:.2f} s = at most "
-              f"{ceiling:,.0f} output tok/s{peer}")
+              f"{step_at_full_batch * 1e3:.1f} ms){bound}; prefill then decode {sequential:.2f} s "
+              f"({output_tokens / sequential:,.0f} output tok/s{sequential_peer}); prefill hidden under decode "
+              f"{total:.2f} s = at most {ceiling:,.0f} output tok/s{peer}")
         per_step = [f"{label} {bucket_steps[label]} steps {bucket_seconds[label] / bucket_steps[label] * 1e3:.2f} ms"
                     for _, label in BUCKETS if bucket_steps[label]]
         print("  per step: " + ", ".join(per_step))
