@@ -2,8 +2,8 @@
 
     python3 -m benchmarks.roofline_next [benchmarks/models/qwen3-next-24l] [--bandwidth 4.3e12] [--peer 5662]
     python3 -m benchmarks.roofline_next benchmarks/models/kimi-linear-48b --peer 3917
-    python3 -m benchmarks.roofline_next benchmarks/models/deepseek-v32-7l --peer 4987
-    python3 -m benchmarks.roofline_next benchmarks/models/deepseek-v32-7l --workload longctx --peer 541
+    python3 -m benchmarks.roofline_next benchmarks/models/deepseek-v32-7l --peer 4905
+    python3 -m benchmarks.roofline_next benchmarks/models/deepseek-v32-7l --workload longctx --peer 585
 
 Qwen3-Next (Gated DeltaNet + full attention), Kimi Linear (Kimi Delta Attention + MLA, whose
 cache is one latent of ``kv_lora_rank + qk_rope_head_dim`` values per token and layer) and
@@ -173,7 +173,7 @@ def main() -> None:
     print(f"workload {args.workload}: {num_prompts} requests, {prompt_tokens:,} prompt + {output_tokens:,} output "
           f"tokens; prefill floor {prefill_seconds:.2f} s at {args.tflops:.0f} TFLOP/s")
     for state_name, state_itemsize in (("float32", 4), ("bfloat16", 2)) if attention.state_elements else (("no", 0),):
-        decode_seconds, decode_bytes_seconds, decode_flops, step_at_full_batch = 0.0, 0.0, 0.0, None
+        decode_seconds, decode_bytes_seconds, decode_flops, step_at_full_batch = 0.0, 0.0, 0.0, 0.0
         bucket_seconds, bucket_steps = collections.Counter(), collections.Counter()
         compute_bound_steps, num_steps = 0, max(max_tokens) - 1  # prefill gave each its first token
         for step in range(num_steps):
@@ -192,7 +192,7 @@ def main() -> None:
             bucket = next(label for low, label in BUCKETS if batch >= low)
             bucket_seconds[bucket] += step_seconds
             bucket_steps[bucket] += 1
-            if step_at_full_batch is None:
+            if step == 0:
                 step_at_full_batch = step_seconds
         sequential = decode_seconds + prefill_seconds
         total = max(decode_bytes_seconds, (prefill_flops + decode_flops) / (args.tflops * 1e12))
