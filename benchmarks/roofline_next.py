@@ -78,7 +78,7 @@ class AttentionCost:
         self.state_elements = 0  # recurrent-state elements per request (all linear layers)
         self.kv_bytes_per_token = 0  # bf16 KV-cache bytes per token read whole by decode
         self.mla_layers = 0  # layers whose decode attention is charged absorbed MLA FLOPs
-        self.sparse_layers = 0  # of those, DSA layers (indexer + top-k attention)
+        self.sparse = False  # those are DSA layers (indexer + top-k attention), V3.2's all of them
         self.latent_bytes = self.index_key_bytes = self.index_flops = self.topk = self.heads = 0
         # MLA's FLOPs per (query, key, head): absorbed (decode: q . [c, k_pe], then p . c) and
         # expanded (prefill: q . k over the nope and rope dims, then p . v).
@@ -95,7 +95,7 @@ class AttentionCost:
             self.absorbed_flops = 2 * (lora + rope) + 2 * lora
             self.expanded_flops = 2 * (config["qk_nope_head_dim"] + rope) + 2 * config["v_head_dim"]
             if config["model_type"] == "deepseek_v32":
-                self.sparse_layers, self.topk = self.mla_layers, config["index_topk"]
+                self.sparse, self.topk = True, config["index_topk"]
                 self.index_key_bytes = config["index_head_dim"] + 4  # fp8 and an fp32 scale
                 self.index_flops = 2 * config["index_n_heads"] * config["index_head_dim"]  # per (query, key)
         else:
@@ -108,7 +108,7 @@ class AttentionCost:
                                        * config["head_dim"] * 2)
 
     def keys_attended(self, context: int) -> int:
-        return min(context, self.topk) if self.sparse_layers else context
+        return min(context, self.topk) if self.sparse else context
 
     def decode(self, contexts: list[int], state_itemsize: int) -> tuple[float, float]:
         """(bytes, FLOPs) of one decode step of requests with these context lengths."""
@@ -118,9 +118,9 @@ class AttentionCost:
             keys = self.keys_attended(context)
             step_bytes += self.mla_layers * keys * self.latent_bytes
             flops += self.mla_layers * keys * self.heads * self.absorbed_flops
-            if self.sparse_layers and context > self.topk:  # the indexer scores every key
-                step_bytes += self.sparse_layers * context * self.index_key_bytes
-                flops += self.sparse_layers * context * self.index_flops
+            if self.sparse and context > self.topk:  # the indexer scores every key
+                step_bytes += self.mla_layers * context * self.index_key_bytes
+                flops += self.mla_layers * context * self.index_flops
         return step_bytes, flops
 
     def prefill_flops(self, prompt_len: int) -> float:
@@ -132,8 +132,8 @@ class AttentionCost:
         for position in range(prompt_len):
             keys = self.keys_attended(position + 1)
             flops += self.mla_layers * keys * self.heads * self.expanded_flops
-            if self.sparse_layers and position + 1 > self.topk:
-                flops += self.sparse_layers * (position + 1) * self.index_flops
+            if self.sparse and position + 1 > self.topk:
+                flops += self.mla_layers * (position + 1) * self.index_flops
         return flops
 
 

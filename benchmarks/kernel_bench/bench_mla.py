@@ -232,9 +232,10 @@ def tiles_label(tiles: MLATiles) -> str:
 
 # Attention tiles tried for decode, the default first.
 DECODE_TILES = (MLATiles(64, 64, 8, 3), MLATiles(64, 32, 8, 3), MLATiles(64, 64, 8, 2))
-# Tried for prefill: the same, then all 128 heads in one program (each gathered key tile loaded
-# once for every head, not once per 64; on an H200 these fail to compile: registers, shared memory).
-PREFILL_TILES = DECODE_TILES + (MLATiles(64, 128, 8, 2), MLATiles(128, 64, 16, 2), MLATiles(128, 32, 16, 3))
+# Tried for prefill: the same, wider key tiles, then all 128 heads in one program (each gathered
+# key tile loaded once for every head, not once per 64; on an H200 those fail to compile).
+PREFILL_TILES = DECODE_TILES + (MLATiles(64, 128, 8, 2), MLATiles(128, 64, 16, 2), MLATiles(128, 32, 16, 3),
+                                MLATiles(128, 64, 8, 2))
 
 
 def prefill_sweep(backend, block_size: int) -> None:

@@ -35,9 +35,10 @@ def indexer_scores_kernel(
 
     q [T, NUM_HEADS, HEAD_DIM], weights [T, NUM_HEADS] fp32; the keys are cache columns
     ``KEY_COL .. KEY_COL + HEAD_DIM``. Entries past the token's position are left unwritten.
-    The dot is taken keys first, ``[N, G] = k . q^T``, so the sum over heads runs along the
-    accumulator's rows, within a thread and its lane group, where ``q . k^T`` summed across warps
-    (faster on an H200 in prefill and decode alike: bench_mla's numbers are in the results).
+    The dot is taken keys first, ``[N, G] = k . q^T``: each key's sum over the heads is then a
+    row of the accumulator, held by one thread and its lane group, where ``q . k^T`` summed a
+    column across warps (faster on an H200 in prefill and decode alike: bench_mla's numbers are
+    in the results).
     """
     row = tl.program_id(0)
     token = first_token + row
