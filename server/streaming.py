@@ -73,6 +73,21 @@ async def final_outputs(receive: Receive, work: Awaitable, close: Callable[[], N
         close()
 
 
+async def finish_despite_cancel(cleanup: Awaitable[None]) -> bool:
+    """Await ``cleanup`` to its end even if this task is cancelled meanwhile (it runs as a task of
+    its own, shielded); True if a cancel arrived, which the caller then honours after it."""
+    task = asyncio.ensure_future(cleanup)
+    cancelled = False
+    while True:
+        try:
+            await asyncio.shield(task)
+            return cancelled
+        except asyncio.CancelledError:
+            if task.done():  # the cleanup itself was cancelled, not this task
+                raise
+            cancelled = True
+
+
 class EventStreamResponse:
     """An ASGI response streaming ``events`` (already-encoded SSE bytes); on disconnect the
     stream is cancelled and ``events`` closed, and ``on_close`` runs in every case. When the
@@ -95,16 +110,9 @@ class EventStreamResponse:
             cancelled = True
         finally:
             client_left = watcher.done()
-            for task in (producer, watcher):
-                task.cancel()
-            results = await asyncio.gather(producer, watcher, return_exceptions=True)
-            if isinstance(results[0], Exception):
-                logger.error("streaming a response failed", exc_info=results[0])
-            aclose = getattr(self.events, "aclose", None)
-            if aclose is not None:
-                await aclose()
-            if self.on_close is not None:
-                self.on_close()
+            # The server's cancel may also land while this cleans up (the stream ended just as
+            # the grace period ran out): it must still run to the end, and count as cancelled.
+            cancelled |= await finish_despite_cancel(self._close(producer, watcher))
         if cancelled and self._started and not self._ended and not client_left:
             # Deliberately not re-raised: this is the handler's last act, and the server only
             # cancels handlers when it is stopping.
@@ -112,6 +120,18 @@ class EventStreamResponse:
                 await asyncio.wait_for(self._finish(send, sse_event(SHUTDOWN_ERROR) + DONE_EVENT), 1.0)
             except (OSError, asyncio.TimeoutError):
                 pass
+
+    async def _close(self, producer: asyncio.Future, watcher: asyncio.Future) -> None:
+        for task in (producer, watcher):
+            task.cancel()
+        results = await asyncio.gather(producer, watcher, return_exceptions=True)
+        if isinstance(results[0], Exception):
+            logger.error("streaming a response failed", exc_info=results[0])
+        aclose = getattr(self.events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        if self.on_close is not None:
+            self.on_close()
 
     async def _send_events(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})

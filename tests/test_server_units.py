@@ -3,6 +3,8 @@ logprob shapes, token bytes."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from pydantic import ValidationError
 
@@ -11,6 +13,7 @@ from weir.server.admission import AdmissionControl
 from weir.server.errors import APIError, from_validation_error, from_value_error
 from weir.server.logprobs import TokenBytes, chat_logprobs, completion_logprobs
 from weir.server.protocol import ChatCompletionRequest, CompletionRequest
+from weir.server.streaming import EventStreamResponse
 
 
 def test_admission_limits_requests_and_queued_prompt_tokens():
@@ -143,3 +146,51 @@ def test_an_error_echoing_a_lone_surrogate_still_renders():
 
     response = APIError(404, "The model '\ud800' does not exist", param="model").response()
     assert json.loads(response.body)["error"]["message"] == "The model '\ud800' does not exist"
+
+
+def test_a_stream_cancelled_while_it_cleans_up_still_closes_and_raises_nothing():
+    """The server's shutdown cancel can land just after a stream's last event, while it closes
+    its event source: the cleanup still runs to the end (on_close too) and the handler returns
+    quietly (uvicorn logged the CancelledError as an ASGI failure)."""
+    async def scenario():
+        closing, release = asyncio.Event(), asyncio.Event()
+        closed = []
+
+        class Events:
+            def __init__(self):
+                self.sent = False
+
+            def __aiter__(self):
+                return self
+
+            async def __anext__(self):
+                if self.sent:
+                    raise StopAsyncIteration
+                self.sent = True
+                return b"data: {}\n\n"
+
+            async def aclose(self):
+                closing.set()
+                await release.wait()  # the server's cancel arrives here
+                closed.append("events")
+
+        async def receive():
+            await asyncio.Event().wait()  # the client never leaves
+
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        response = EventStreamResponse(Events(), on_close=lambda: closed.append("on_close"))
+        handler = asyncio.create_task(response(None, receive, send))
+        await closing.wait()
+        handler.cancel()
+        await asyncio.sleep(0)
+        release.set()
+        await handler  # raises CancelledError if the cancel escaped the cleanup
+        return closed, sent
+
+    closed, sent = asyncio.run(scenario())
+    assert closed == ["events", "on_close"]
+    assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}  # ended normally
