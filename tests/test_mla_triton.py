@@ -244,16 +244,27 @@ def check_backend(backend, case: MLACase) -> torch.Tensor:
     return out
 
 
-def mla_backend(dtype, device, block_size, *, splits=None, topk=None, tiles=None):
+def mla_backend(dtype, device, block_size, *, splits=None, topk=None, tiles=None, kernel=None):
     """``topk``: (block, counting) of the top-k kernel: a score row of at most ``block`` keys stays
-    resident (found by counting or by radix passes), a longer one streams."""
-    from weir.plugins.attention.mla_triton import TritonMLABackend
+    resident (found by counting or by radix passes), a longer one streams. ``kernel``: the
+    attention kernel, "wgmma" (skips where it cannot run) or "triton"; None: the backend's choice."""
+    from weir.plugins.attention.mla_triton import TritonMLABackend, wgmma_supported
 
     backend = TritonMLABackend(block_size, dtype, torch.device(device))
     backend.forced_num_splits, backend.attention_tiles = splits, tiles
     if topk is not None:
         backend.topk_block, backend.topk_counting = topk
+    if kernel == "wgmma" and not wgmma_supported(torch.device(device), dtype):
+        pytest.skip("the wgmma kernel needs a Hopper GPU and a 16-bit dtype")
+    backend.attention_kernel = kernel or backend.attention_kernel
     return backend
+
+
+def attention_kernels(device: str, dtype: torch.dtype) -> list[str]:
+    """The attention kernels that run on ``device`` in ``dtype``."""
+    from weir.plugins.attention.mla_triton import wgmma_supported
+
+    return ["triton"] + (["wgmma"] if wgmma_supported(torch.device(device), dtype) else [])
 
 
 # Top-k kernel variants on rows of up to 63 keys: resident by radix, resident by counting, streamed.
@@ -343,7 +354,8 @@ def check_sixteen_bit(device: str) -> None:
         for layer in (mla_layer(TINY), mla_layer(TINY, TINY_INDEXER)):
             query_lens, seq_lens = SPARSE_BATCHES["mixed"]
             case = make_mla_case(query_lens, seq_lens, layer, block_size=4, dtype=dtype, device=device)
-            check_backend(mla_backend(dtype, device, 4), case)
+            for kernel in attention_kernels(device, dtype):
+                check_backend(mla_backend(dtype, device, 4, kernel=kernel), case)
 
 
 def padded_as_a_mixed_graph(case: MLACase, num_padding_reqs: int, max_seq_len: int) -> MLACase:
@@ -430,6 +442,23 @@ def test_registered_for_mla_kinds_on_cuda_only():
     assert not TritonMLABackend.supports("cpu", {MLA})
     assert not TritonMLABackend.supports("cuda", {"full_attention"})
     assert TritonMLABackend.supports_cuda_graphs
+
+
+def test_attention_kernel_choice():
+    """The Gluon kernel only where it compiles (Hopper, 16-bit), and only on 16-byte aligned rows;
+    the Triton kernel elsewhere, with a head block sized for tl.dot."""
+    from weir.plugins.attention.mla_triton import wgmma_aligned, wgmma_supported
+
+    assert not wgmma_supported(torch.device("cpu"), torch.bfloat16)
+    assert mla_backend(torch.bfloat16, "cpu", 64).attention_kernel == "triton"
+    backend = mla_backend(torch.float32, "cpu", 4)
+    assert backend.head_blocks(mla_layer(TINY)) == (16, 1)
+    assert backend.head_blocks(mla_layer(TINY), "wgmma") == (64, 1)
+    assert backend.head_blocks(mla_layer(DEEPSEEK), "wgmma") == (64, 2)
+    rows = torch.zeros(8, 4, 64, dtype=torch.bfloat16)
+    assert wgmma_aligned(rows, rows[:, :, 16:32])
+    assert not wgmma_aligned(rows[:, :, 1:17]), "a base 2 bytes past a 16-byte boundary"
+    assert not wgmma_aligned(torch.zeros(8, 24, dtype=torch.bfloat16)[:, :16]), "rows 48 bytes apart"
 
 
 def test_cache_shape_and_layer_checks():
@@ -519,33 +548,36 @@ GPU_SPARSE_BATCHES = {  # index_topk 2048
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("batch", list(GPU_DENSE_BATCHES))
-def test_gpu_deepseek_dense_bf16(batch, block_size):
+@pytest.mark.parametrize("kernel", ["wgmma", "triton"])
+def test_gpu_deepseek_dense_bf16(batch, block_size, kernel):
     query_lens, seq_lens = GPU_DENSE_BATCHES[batch]
     case = make_mla_case(query_lens, seq_lens, mla_layer(DEEPSEEK), block_size=block_size, dtype=torch.bfloat16,
                          device="cuda", num_padding_tokens=3)
-    check_backend(mla_backend(torch.bfloat16, "cuda", block_size), case)
+    check_backend(mla_backend(torch.bfloat16, "cuda", block_size, kernel=kernel), case)
 
 
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("topk", [None, (16384, False), (4096, False)], ids=["default", "radix", "streamed"])
 @pytest.mark.parametrize("batch", list(GPU_SPARSE_BATCHES))
-def test_gpu_deepseek_sparse_bf16(batch, topk):
+@pytest.mark.parametrize("kernel", ["wgmma", "triton"])
+def test_gpu_deepseek_sparse_bf16(batch, topk, kernel):
     query_lens, seq_lens = GPU_SPARSE_BATCHES[batch]
     case = make_mla_case(query_lens, seq_lens, mla_layer(DEEPSEEK, DEEPSEEK_INDEXER), block_size=64,
                          dtype=torch.bfloat16, device="cuda", num_padding_tokens=3)
-    check_backend(mla_backend(torch.bfloat16, "cuda", 64, topk=topk), case)
+    check_backend(mla_backend(torch.bfloat16, "cuda", 64, topk=topk, kernel=kernel), case)
 
 
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [None, 1, 5, 64])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
-def test_gpu_split_k_decode_with_padding(sparse, num_splits):
+@pytest.mark.parametrize("kernel", ["wgmma", "triton"])
+def test_gpu_split_k_decode_with_padding(sparse, num_splits, kernel):
     layer = mla_layer(DEEPSEEK, DEEPSEEK_INDEXER if sparse else None)
     case = make_mla_case([1] * 6, [5000, 0, 2100, 17, 1, 3000], layer, block_size=64, dtype=torch.bfloat16,
                          device="cuda", padding_reqs=(1, 4))
-    check_backend(mla_backend(torch.bfloat16, "cuda", 64, splits=num_splits), case)
+    check_backend(mla_backend(torch.bfloat16, "cuda", 64, splits=num_splits, kernel=kernel), case)
 
 
 @cuda

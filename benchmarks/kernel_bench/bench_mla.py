@@ -1,5 +1,8 @@
 """Microseconds per call of the Triton MLA / DSA backend (``triton_mla``), with torch beside it.
 
+The attention kernel is the backend's choice on this GPU (the Gluon wgmma kernel on Hopper);
+``--kernels wgmma,triton`` times each of them in turn, rows labelled by kernel.
+
 DeepSeek-V3 / V3.2 attention shapes (128 heads, kv_lora_rank 512, rope 64, nope 128, v 128; the
 indexer 64 heads x 128, top-k 2048), bf16, one layer, on a CUDA device:
 
@@ -14,7 +17,7 @@ Decode times are CUDA-graph replays (as the runner launches decode), prefill tim
 calls; each Triton time includes the cache store and both W_UK / W_UV batched GEMMs. GB/s counts
 the latent rows read once per request (1152 B each); TFLOP/s the absorbed form's dot products.
 
-    python3 -m benchmarks.kernel_bench.bench_mla [--sweep] [--quick] [--block-size 64]
+    python3 -m benchmarks.kernel_bench.bench_mla [--sweep] [--quick] [--block-size 64] [--kernels wgmma,triton]
     python3 -m benchmarks.kernel_bench.bench_mla --prefill-sweep   # attention tiles for prefill steps alone
 """
 
@@ -126,7 +129,8 @@ def decode_row(backend, sparse: bool, batch: int, context: int, block_size: int,
     triton_us = graph_us(forward)
     plan = backend.plan(layer, batch, 1, context)
     keys = min(context, TOPK) if plan.sparse else context
-    line = (f"{'sparse' if sparse else 'dense':6s} decode B={batch:<3d} ctx={context:<6d} triton {triton_us:9.1f} us "
+    line = (f"{'sparse' if sparse else 'dense':6s} decode B={batch:<3d} ctx={context:<6d} "
+            f"{backend.attention_kernel:6s} {triton_us:9.1f} us "
             f"{batch * keys * 1152 / triton_us / 1e3:6.0f} GB/s "
             f"{absorbed_flops([1] * batch, [context] * batch, plan.sparse) / triton_us / 1e6:6.1f} TFLOP/s "
             f"splits={plan.num_splits}")
@@ -140,14 +144,15 @@ def decode_row(backend, sparse: bool, batch: int, context: int, block_size: int,
     return line
 
 
-def prefill_row(backend, sparse: bool, query_len: int, seq_len: int, block_size: int) -> str:
+def prefill_row(backend, sparse: bool, query_len: int, seq_len: int, block_size: int, with_torch: bool = True) -> str:
     layer = layer_spec(sparse)
     inputs = make_step(layer, [query_len], [seq_len], block_size)
     triton_us = median_us(lambda: backend.forward(layer, **inputs), iters=10)
     flops = absorbed_flops([query_len], [seq_len], sparse and seq_len > TOPK)
-    line = (f"{'sparse' if sparse else 'dense':6s} prefill {query_len:5d} tokens at {seq_len:6d} keys: triton absorbed "
+    line = (f"{'sparse' if sparse else 'dense':6s} prefill {query_len:5d} tokens at {seq_len:6d} keys: "
+            f"{backend.attention_kernel} absorbed "
             f"{triton_us:9.1f} us {flops / triton_us / 1e6:6.1f} TFLOP/s")
-    if not sparse:
+    if with_torch and not sparse:
         expanded_us = median_us(lambda: torch_expanded_prefill(inputs, query_len, seq_len), iters=10)
         line += f"  | torch expanded (GEMMs + SDPA) {expanded_us:9.1f} us"
     return line
@@ -186,7 +191,7 @@ def stage_times(backend, sparse: bool, batch: int, context: int, block_size: int
     plan = backend.plan(layer, batch, 1, context)
     q_lat = torch.bmm(inputs["q_nope"].transpose(0, 1), inputs["w_uk"])
     o_lat = torch.empty_like(q_lat)
-    topk = backend.indexer_topk(layer, inputs.get("indexer"), cache, metadata) if plan.sparse else None
+    topk = backend.topk_slots(layer, inputs.get("indexer"), cache, metadata) if plan.sparse else None
     stages = {
         "store": lambda: backend.store(layer, inputs["kv_c"], inputs["k_pe"], inputs.get("indexer"), cache,
                                        metadata.slot_mapping),
@@ -255,6 +260,31 @@ def prefill_sweep(backend, block_size: int) -> None:
     backend.attention_tiles = None
 
 
+def table(backend, block_size: int, quick: bool, with_torch: bool) -> None:
+    """Decode (dense, sparse) and prefill rows of the backend's attention kernel."""
+    contexts = (1024, 4096, 16384) if quick else (1024, 2048, 4096, 8192, 16384)
+    for batch, context in itertools.product((1, 32, 256), contexts):
+        print(decode_row(backend, False, batch, context, block_size, with_torch and not (quick and batch == 256)),
+              flush=True)
+    for batch, context in itertools.product((1, 32, 256), (4096, 16384)):
+        print(decode_row(backend, True, batch, context, block_size, with_torch and not (quick and batch == 256)),
+              flush=True)
+    for query_len, seq_len in ((1024, 1024), (4096, 4096), (512, 16384), (2048, 16384)):
+        print(prefill_row(backend, False, query_len, seq_len, block_size, with_torch), flush=True)
+    for query_len, seq_len in ((2048, 16384), (8192, 8192)):
+        print(prefill_row(backend, True, query_len, seq_len, block_size, with_torch), flush=True)
+    print(f"  {backend.attention_kernel} kernel, last variant compiled: {compiled_stats(attention_kernel(backend))}",
+          flush=True)
+
+
+def attention_kernel(backend):
+    from weir.plugins.attention import mla_triton
+
+    if backend.attention_kernel == "wgmma":
+        return mla_triton.wgmma_kernels.mla_attention_wgmma_kernel
+    return mla_triton.mla_attention_kernel
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time other attention tile configs")
@@ -263,27 +293,25 @@ def main() -> None:
     parser.add_argument("--only-sweep", action="store_true", help="the sweep alone")
     parser.add_argument("--no-topk-sweep", action="store_true", help="sweep the attention tiles only")
     parser.add_argument("--prefill-sweep", action="store_true", help="only sweep the attention tiles of prefill steps")
+    parser.add_argument("--kernels", default="", help="attention kernels to time in turn (wgmma, triton); "
+                        "default: the backend's choice")
+    parser.add_argument("--no-torch", action="store_true", help="skip the torch rows beside decode and prefill")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}  triton {triton.__version__}  torch {torch.__version__}  "
           f"block_size {args.block_size}  (H={HEADS}, latent {LORA}+{ROPE}, bf16)", flush=True)
     backend = TritonMLABackend(args.block_size, DTYPE, torch.device("cuda"))
+    # The sweeps time the Triton kernel's tiles.
+    if args.only_sweep or args.prefill_sweep or args.sweep:
+        backend.attention_kernel = "triton"
     if args.only_sweep:
         sweep(backend, args.block_size, topk=not args.no_topk_sweep)
         return
     if args.prefill_sweep:
         prefill_sweep(backend, args.block_size)
         return
-    contexts = (1024, 4096, 16384) if args.quick else (1024, 2048, 4096, 8192, 16384)
-    for batch, context in itertools.product((1, 32, 256), contexts):
-        print(decode_row(backend, False, batch, context, args.block_size, not (args.quick and batch == 256)),
-              flush=True)
-    for batch, context in itertools.product((1, 32, 256), (4096, 16384)):
-        print(decode_row(backend, True, batch, context, args.block_size, not (args.quick and batch == 256)),
-              flush=True)
-    for query_len, seq_len in ((1024, 1024), (4096, 4096), (512, 16384), (2048, 16384)):
-        print(prefill_row(backend, False, query_len, seq_len, args.block_size), flush=True)
-    for query_len, seq_len in ((2048, 16384),):
-        print(prefill_row(backend, True, query_len, seq_len, args.block_size), flush=True)
+    for kernel in args.kernels.split(",") if args.kernels else [backend.attention_kernel]:
+        backend.attention_kernel = kernel
+        table(backend, args.block_size, args.quick, with_torch=not args.no_torch)
     if args.sweep:
         sweep(backend, args.block_size)
 

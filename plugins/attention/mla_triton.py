@@ -6,6 +6,11 @@ Each forward stores this step's latent, rope key (and indexer key) rows into the
 576-dim latent key and 512-dim latent value (``mla_triton_kernels``), then ``o = W_UV o_lat``
 (a second batched GEMM).
 
+The attention kernel is ``mla_gluon_kernels``' on Hopper GPUs in 16-bit dtypes (Gluon: the two
+warpgroups split the scores by keys and the accumulator by latent columns, key rows gathered by
+cp.async two stages ahead), ``mla_triton_kernels``' elsewhere (and in CI, under Triton's CPU
+interpreter, which Gluon lacks). Both take the same arguments and the same grid of programs.
+
 - Decode batches (``max_query_len == 1``) split each token's keys over several programs when
   the batch alone would leave SMs idle, plus a reduce kernel for the splits.
 - Prefill and mixed batches run the same kernel, one program per token and head block, each
@@ -14,12 +19,14 @@ Each forward stores this step's latent, rope key (and indexer key) rows into the
   On sparse layers it is the form that fits: each query has its own key list, so there are no
   shared per-head keys to expand. On dense layers the expanded form does fewer FLOPs per
   (query, key) pair (640 per head against 2176) and was 1.2-1.8x faster on long prefills on an
-  H200 (``bench_mla``: cuBLAS expansion + SDPA), but after a cached prefix it re-expands the
+  H200 than the Triton kernel (``bench_mla``: cuBLAS expansion + SDPA; not yet timed against the
+  Gluon one), but after a cached prefix it re-expands the
   whole prefix every chunk into a buffer sized by the batch's total key count, which the host
   does not know (the metadata gives ``max_seq_len`` only), so it is not used yet.
 - Sparse layers (DSA), once a request can hold more keys than ``index_topk``: indexer scores
   over each token's causal prefix of cached indexer keys, an exact top-k per token
-  (``mla_triton_indexer``), and the attention kernel over only the selected latent rows.
+  (``mla_triton_indexer``), its key positions turned into cache slots in place, and the attention
+  kernel over only the selected latent rows.
   While ``max_seq_len <= index_topk`` every key is selected, so the dense path runs.
 
 Grids come from host ints only and lengths are read from the metadata tensors, so no step syncs,
@@ -36,9 +43,14 @@ import triton
 
 from weir.attention import AttentionMetadata
 from weir.mla import MLA, SPARSE_MLA, IndexerInputs, MLABackend, MLALayerSpec, check_forward_inputs
-from weir.plugins.attention.mla_triton_indexer import indexer_scores_kernel, topk_kernel
+from weir.plugins.attention.mla_triton_indexer import indexer_scores_kernel, topk_kernel, topk_slots_kernel
 from weir.plugins.attention.mla_triton_kernels import mla_attention_kernel, mla_reduce_kernel, store_latent_kernel
 from weir.plugins.attention.triton_paged_kernels import LOG2_E
+
+try:  # the Hopper kernel, in Gluon; a triton without Gluon runs the Triton kernel everywhere
+    from weir.plugins.attention import mla_gluon_kernels as wgmma_kernels
+except ImportError:
+    wgmma_kernels = None
 
 # A split below this many keys costs more in partial writes and merging than it saves.
 MIN_KEYS_PER_SPLIT = 256
@@ -63,6 +75,21 @@ class MLATiles:
     block_n: int
     num_warps: int
     num_stages: int
+
+
+def wgmma_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the Gluon kernel (``mla_gluon_kernels``) runs here: a Hopper GPU (sm_90), a 16-bit
+    cache and a triton with Gluon's 3.6 API or later."""
+    if wgmma_kernels is None or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    major, minor = (int(part) for part in triton.__version__.split(".")[:2])
+    return (major, minor) >= (3, 6) and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def wgmma_aligned(*tensors: torch.Tensor) -> bool:
+    """16-byte copies need 16-byte aligned rows: base addresses, and every stride but the last a
+    multiple of 16 elements (the one the compiled kernel is told of)."""
+    return all(t.data_ptr() % 16 == 0 and all(stride % 16 == 0 for stride in t.stride()[:-1]) for t in tensors)
 
 
 def default_attention_tiles(dtype: torch.dtype) -> MLATiles:
@@ -104,7 +131,9 @@ class TritonMLABackend(MLABackend):
         device = torch.device(device)
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                         if device.type == "cuda" else 8)
-        # Overrides for tests and the benchmark's sweep; None = the heuristics above.
+        # "wgmma" (Hopper, Gluon) or "triton"; tests and the benchmark set it to compare the two.
+        self.attention_kernel = "wgmma" if wgmma_supported(device, dtype) else "triton"
+        # Overrides for tests and the benchmark's sweep (Triton kernel); None = the heuristics above.
         self.attention_tiles: MLATiles | None = None
         self.forced_num_splits: int | None = None
         self.topk_block = TOPK_BLOCK
@@ -120,9 +149,13 @@ class TritonMLABackend(MLABackend):
     def tiles(self) -> MLATiles:
         return self.attention_tiles or default_attention_tiles(self.dtype)
 
-    def head_blocks(self, layer: MLALayerSpec) -> tuple[int, int]:
-        """``(block_h, number of head blocks)``: at least 16 rows for tl.dot, at most the heads."""
-        block_h = max(16, min(self.tiles().block_h, triton.next_power_of_2(layer.num_heads)))
+    def head_blocks(self, layer: MLALayerSpec, kernel: str | None = None) -> tuple[int, int]:
+        """``(block_h, number of head blocks)`` of ``kernel`` (default: the chosen one): 64 rows for
+        wgmma; for tl.dot at least 16, at most the heads."""
+        if (kernel or self.attention_kernel) == "wgmma":
+            block_h = wgmma_kernels.BLOCK_H
+        else:
+            block_h = max(16, min(self.tiles().block_h, triton.next_power_of_2(layer.num_heads)))
         return block_h, triton.cdiv(layer.num_heads, block_h)
 
     def num_kv_splits(self, num_programs: int, keys_read: int) -> int:
@@ -179,10 +212,10 @@ class TritonMLABackend(MLABackend):
             return out
         self.store(layer, kv_c, k_pe, indexer, kv_cache, metadata.slot_mapping[:num_tokens])
         plan = self.plan(layer, num_tokens, metadata.max_query_len, metadata.max_seq_len)
-        topk = self.indexer_topk(layer, indexer, kv_cache, metadata) if plan.sparse else None
+        topk_slots = self.topk_slots(layer, indexer, kv_cache, metadata) if plan.sparse else None
         q_lat = torch.bmm(q_nope[:num_tokens].transpose(0, 1), w_uk)  # [H, T, kv_lora_rank]
         o_lat = torch.empty_like(q_lat)  # [H, T, kv_lora_rank]
-        self.attend(layer, q_lat, q_pe, kv_cache, metadata, o_lat, plan, topk)
+        self.attend(layer, q_lat, q_pe, kv_cache, metadata, o_lat, plan, topk_slots)
         out[:num_tokens] = torch.bmm(o_lat, w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v_head_dim]
         return out
 
@@ -211,6 +244,18 @@ class TritonMLABackend(MLABackend):
             rows = min(rows_per_pass, num_tokens - first_token)
             self.indexer_scores(layer, indexer, kv_cache, metadata, scores, first_token, rows)
             self.select_topk(layer, scores, topk, metadata, first_token, rows)
+        return topk
+
+    def topk_slots(self, layer: MLALayerSpec, indexer: IndexerInputs, kv_cache: torch.Tensor,
+                   metadata: AttentionMetadata) -> torch.Tensor:  # [num_tokens, index_topk] int32
+        """``indexer_topk``'s lists with each key position replaced by its cache slot (what the
+        attention kernels read: ``page * block_size + offset``), -1 kept."""
+        topk = self.indexer_topk(layer, indexer, kv_cache, metadata)
+        topk_slots_kernel[(metadata.num_tokens,)](
+            topk, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc, metadata.num_reqs,
+            layer.index_topk, topk.stride(0), metadata.block_tables.stride(0),
+            BLOCK_SIZE=kv_cache.shape[1], BLOCK_K=min(1024, triton.next_power_of_2(layer.index_topk)), num_warps=4,
+        )
         return topk
 
     def indexer_scores(self, layer: MLALayerSpec, indexer: IndexerInputs, kv_cache: torch.Tensor,
@@ -242,11 +287,13 @@ class TritonMLABackend(MLABackend):
         )
 
     def attend(self, layer: MLALayerSpec, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
-               metadata: AttentionMetadata, o_lat: torch.Tensor, plan: StepPlan, topk: torch.Tensor | None) -> None:
-        """o_lat [H, T, kv_lora_rank] from q_lat [H, T, kv_lora_rank] and q_pe (absorbed MQA)."""
+               metadata: AttentionMetadata, o_lat: torch.Tensor, plan: StepPlan,
+               topk_slots: torch.Tensor | None) -> None:
+        """o_lat [H, T, kv_lora_rank] from q_lat [H, T, kv_lora_rank] and q_pe (absorbed MQA);
+        sparse plans attend to ``topk_slots`` (``topk_slots()``)."""
         num_tokens, lora = metadata.num_tokens, layer.kv_lora_rank
-        tiles = self.tiles()
-        block_h, head_blocks = self.head_blocks(layer)
+        wgmma = self.attention_kernel == "wgmma" and wgmma_aligned(q_lat, q_pe, kv_cache)
+        block_h, head_blocks = self.head_blocks(layer, "wgmma" if wgmma else "triton")
         split = plan.num_splits > 1
         if split:
             # Contiguous, so the lse buffer's offsets are the output buffer's divided by kv_lora_rank.
@@ -256,20 +303,28 @@ class TritonMLABackend(MLABackend):
                                       device=q_lat.device)
         else:
             partial_out = partial_lse = o_lat  # unused: SPLIT is off
-        topk_list = topk if topk is not None else metadata.seq_lens  # any tensor when dense (unread)
+        topk_list = topk_slots if topk_slots is not None else metadata.seq_lens  # any tensor when dense (unread)
         partial_strides = (partial_out.stride(0), partial_out.stride(1), partial_out.stride(2))
-        mla_attention_kernel[(num_tokens * head_blocks, plan.num_splits)](
+        args = (
             q_lat, q_pe, kv_cache, o_lat, partial_out, partial_lse,
             metadata.block_tables, metadata.seq_lens, metadata.query_start_loc, topk_list,
             metadata.num_reqs, num_tokens, plan.num_splits, layer.index_topk, layer.scale * LOG2_E,
             q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), o_lat.stride(0), o_lat.stride(1),
             metadata.block_tables.stride(0), kv_cache.stride(0), kv_cache.stride(1), topk_list.stride(0),
             *partial_strides,
-            NUM_HEADS=layer.num_heads, BLOCK_H=block_h, LORA=lora, ROPE=layer.qk_rope_head_dim,
-            BLOCK_N=tiles.block_n, BLOCK_SIZE=kv_cache.shape[1], SPARSE=plan.sparse, SPLIT=split,
-            PRECISION="ieee" if kv_cache.dtype == torch.float32 else None,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
+        grid = (num_tokens * head_blocks, plan.num_splits)
+        shape = dict(NUM_HEADS=layer.num_heads, LORA=lora, ROPE=layer.qk_rope_head_dim, BLOCK_SIZE=kv_cache.shape[1],
+                     SPARSE=plan.sparse, SPLIT=split)
+        if wgmma:
+            wgmma_kernels.mla_attention_wgmma_kernel[grid](*args, **shape, num_warps=wgmma_kernels.NUM_WARPS)
+        else:
+            tiles = self.tiles()
+            mla_attention_kernel[grid](
+                *args, **shape, BLOCK_H=block_h, BLOCK_N=tiles.block_n,
+                PRECISION="ieee" if kv_cache.dtype == torch.float32 else None,
+                num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            )
         if split:
             mla_reduce_kernel[(num_tokens, layer.num_heads)](
                 o_lat, partial_out, partial_lse, plan.num_splits, o_lat.stride(0), o_lat.stride(1),

@@ -192,3 +192,24 @@ def topk_kernel(
             keys = sortable_key(tl.load(scores_row + start + offsets, mask=valid, other=0.0))
             kept, equal_seen = keep_block(out_row, start + offsets, keys, valid, threshold, wanted, kept,
                                           equal_seen)
+
+
+@triton.jit(do_not_specialize=["num_reqs", "topk", "stride_bt"])
+def topk_slots_kernel(
+    topk_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, num_reqs, topk, stride_kt, stride_bt,
+    BLOCK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Token ``program_id(0)``'s top-k key positions, in place, into cache slots
+    (``page * BLOCK_SIZE + offset``; -1 stays -1): the attention kernels then gather each key row
+    with one load ahead of it, not a position load and a page-table load."""
+    token = tl.program_id(0)
+    req, _ = token_position(query_start_loc_ptr, seq_lens_ptr, token, num_reqs)
+    row = topk_ptr + token.to(tl.int64) * stride_kt
+    table_row = block_tables_ptr + req.to(tl.int64) * stride_bt
+    for start in range(0, topk, BLOCK_K):
+        offsets = start + tl.arange(0, BLOCK_K)
+        in_row = offsets < topk
+        keys = tl.load(row + offsets, mask=in_row, other=-1)
+        valid = keys >= 0
+        pages = tl.load(table_row + tl.maximum(keys, 0) // BLOCK_SIZE, mask=valid, other=0)
+        tl.store(row + offsets, tl.where(valid, pages * BLOCK_SIZE + keys % BLOCK_SIZE, -1), mask=in_row)

@@ -31,8 +31,10 @@ from weir.plugins.attention.triton_paged_kernels import NEG_BIG, online_softmax_
 def request_of_token(query_start_loc_ptr, token, num_reqs):
     """The request owning ``token``: the last r with ``query_start_loc[r] <= token`` (requests
     without tokens share their start with the next one, which is the owner)."""
-    lo = tl.zeros([], tl.int32)
-    hi = tl.zeros([], tl.int32) + num_reqs - 1
+    # Scalars derived from ``token`` rather than tl.zeros([]), which needs a layout in Gluon
+    # kernels (mla_gluon_kernels calls this too).
+    lo = token * 0
+    hi = lo + num_reqs - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
         starts_before = tl.load(query_start_loc_ptr + mid) <= token
@@ -99,7 +101,8 @@ def mla_attention_kernel(
     PRECISION: tl.constexpr,
 ):
     """Absorbed MLA for one query token and ``BLOCK_H`` heads over its causal prefix (dense) or
-    over the first ``min(topk, position + 1)`` entries of its top-k list (``SPARSE``; -1 = none).
+    over the first ``min(topk, position + 1)`` entries of its top-k list (``SPARSE``: cache slots,
+    ``topk_slots_kernel``'s; -1 = none).
 
     q_lat [H, T, LORA] (W_UK folded in), q_pe [T, H, ROPE]; writes o_lat [H, T, LORA] (the
     softmax-weighted latent), or with ``SPLIT`` one normalised partial and its base-2 lse per
@@ -137,16 +140,17 @@ def mla_attention_kernel(
     table_row = block_tables_ptr + req.to(tl.int64) * stride_bt
     offsets_n = tl.arange(0, BLOCK_N)
     for kv_tile in range(first_tile, end_tile):
-        slots = kv_tile * BLOCK_N + offsets_n
-        key_mask = slots < num_keys
-        if SPARSE:  # the list's entries are key positions of this request, compacted to the front
-            keys = tl.load(topk_ptr + token64 * stride_kt + slots, mask=key_mask, other=-1)
-            key_mask = keys >= 0
-            keys = tl.maximum(keys, 0)
+        entries = kv_tile * BLOCK_N + offsets_n  # key positions (dense) or top-k list entries
+        key_mask = entries < num_keys
+        if SPARSE:  # the list's entries are cache slots of this request's keys, compacted to the front
+            cache_slots = tl.load(topk_ptr + token64 * stride_kt + entries, mask=key_mask, other=-1)
+            key_mask = cache_slots >= 0
+            cache_slots = tl.maximum(cache_slots, 0)
+            pages, in_page = cache_slots // BLOCK_SIZE, cache_slots % BLOCK_SIZE
         else:
-            keys = slots
-        pages = tl.load(table_row + keys // BLOCK_SIZE, mask=key_mask, other=0)
-        rows = pages.to(tl.int64) * stride_c_block + (keys % BLOCK_SIZE) * stride_c_offset  # [N]
+            pages = tl.load(table_row + entries // BLOCK_SIZE, mask=key_mask, other=0)
+            in_page = entries % BLOCK_SIZE
+        rows = pages.to(tl.int64) * stride_c_block + in_page * stride_c_offset  # [N]
         latent = tl.load(cache_ptr + rows[:, None] + lora[None, :], mask=key_mask[:, None], other=0.0)  # [N, LORA]
         k_pe = tl.load(cache_ptr + rows[:, None] + LORA + rope[None, :], mask=key_mask[:, None], other=0.0)
         scores = tl.dot(q_lat, tl.trans(latent), input_precision=PRECISION)
