@@ -257,6 +257,14 @@ def mla_backend(dtype, device, block_size, *, splits=None, topk=None, tiles=None
     if kernel == "wgmma" and not wgmma_supported(torch.device(device), dtype):
         pytest.skip("the wgmma kernel needs a Hopper GPU and a 16-bit dtype")
     backend.attention_kernel = kernel or backend.attention_kernel
+    if kernel == "wgmma":  # a silent fallback to the Triton kernel would pass as the Gluon one
+        chosen = backend.kernel_for
+
+        def gluon_only(*args):
+            assert chosen(*args) == "wgmma", "the inputs fell back to the Triton kernel"
+            return "wgmma"
+
+        backend.kernel_for = gluon_only
     return backend
 
 
@@ -378,13 +386,16 @@ def padded_as_a_mixed_graph(case: MLACase, num_padding_reqs: int, max_seq_len: i
 def check_tokens_owned_by_no_request(device: str) -> None:
     """A mixed step padded as its graph runs it, dense and sparse: the real requests' rows as
     unpadded, the rows of tokens past the last request zero (a MoE router reads them next), and
-    their top-k lists empty. The cache's NaN rows show any key such a token would read."""
-    for layer in (mla_layer(TINY), mla_layer(TINY, TINY_INDEXER)):
+    their top-k lists empty. The cache's NaN rows show any key such a token would read. On CUDA
+    also in bf16 through each attention kernel."""
+    runs = [(torch.float32, None)] + ([(torch.bfloat16, kernel) for kernel in attention_kernels(device, torch.bfloat16)]
+                                      if device != "cpu" else [])
+    for (dtype, kernel), layer in itertools.product(runs, (mla_layer(TINY), mla_layer(TINY, TINY_INDEXER))):
         query_lens, seq_lens = SPARSE_BATCHES["mixed"]
-        case = make_mla_case(query_lens, seq_lens, layer, block_size=4, dtype=torch.float32, device=device,
+        case = make_mla_case(query_lens, seq_lens, layer, block_size=4, dtype=dtype, device=device,
                              num_padding_tokens=5, max_blocks_per_req=12)
         padded = padded_as_a_mixed_graph(case, num_padding_reqs=3, max_seq_len=48)
-        backend = mla_backend(torch.float32, device, 4)
+        backend = mla_backend(dtype, device, 4, kernel=kernel)
         out = check_backend(backend, padded)
         real_tokens = sum(query_lens)
         assert torch.all(out[real_tokens:] == 0), "rows of tokens owned by no request must come out zero"
@@ -459,6 +470,53 @@ def test_attention_kernel_choice():
     assert wgmma_aligned(rows, rows[:, :, 16:32])
     assert not wgmma_aligned(rows[:, :, 1:17]), "a base 2 bytes past a 16-byte boundary"
     assert not wgmma_aligned(torch.zeros(8, 24, dtype=torch.bfloat16)[:, :16]), "rows 48 bytes apart"
+    from weir.plugins.attention.mla_triton import wgmma_fits
+
+    assert wgmma_fits(mla_layer(DEEPSEEK)) and wgmma_fits(mla_layer(TINY))
+    assert not wgmma_fits(mla_layer(dict(DEEPSEEK, qk_rope_head_dim=128))), "254 KiB of shared memory"
+    assert not wgmma_fits(mla_layer(dict(DEEPSEEK, kv_lora_rank=1024)))
+    rows, cache = torch.zeros(4, 2, 32), torch.zeros(2, 4, 48, dtype=torch.bfloat16)
+    backend.attention_kernel = "wgmma"  # as on a Hopper GPU
+    assert backend.kernel_for(mla_layer(TINY), rows.bfloat16(), rows[..., :16].bfloat16(), cache) == "wgmma"
+    assert backend.kernel_for(mla_layer(TINY), rows, rows[..., :16].bfloat16(), cache) == "triton", "q in fp32"
+
+
+# H100 / H200: the most shared memory one block may opt into.
+HOPPER_SHARED_BYTES = 232448
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("shape", [DEEPSEEK, TINY], ids=["deepseek", "tiny"])
+def test_gluon_kernel_compiles_for_hopper(shape):
+    """Gluon has no CPU interpreter, so CI compiles the Hopper kernel instead: every variant (dense
+    and sparse, with and without key splits) down to an sm_90a binary with the installed triton's
+    ptxas, in the shared memory an H100/H200 block can hold. The GPU tests check what it computes."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as compile_kernel
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from weir.plugins.attention import mla_gluon_kernels
+
+    kernel = mla_gluon_kernels.mla_attention_wgmma_kernel
+    pointer_types = dict(q_lat_ptr="*bf16", q_pe_ptr="*bf16", cache_ptr="*bf16", o_lat_ptr="*bf16",
+                         partial_out_ptr="*fp32", partial_lse_ptr="*fp32", qk_scale="fp32")
+    signature = {name: "constexpr" if name.isupper() else pointer_types.get(name, "*i32" if name.endswith("_ptr")
+                                                                            else "i32")
+                 for name in kernel.arg_names}
+    # What the launcher tells the compiler of 16-aligned pointers and of strides divisible by 16
+    # (the rows the backend sends here: wgmma_aligned); stride_bt is never specialised.
+    aligned = [(index,) for index, name in enumerate(kernel.arg_names)
+               if name.endswith("_ptr") or (name.startswith("stride") and name != "stride_bt")]
+    for sparse, split in itertools.product((False, True), repeat=2):
+        constants = dict(NUM_HEADS=shape["num_heads"], LORA=shape["kv_lora_rank"], ROPE=shape["qk_rope_head_dim"],
+                         BLOCK_SIZE=64, SPARSE=sparse, SPLIT=split, BLOCK_H=mla_gluon_kernels.BLOCK_H,
+                         BLOCK_N=mla_gluon_kernels.BLOCK_N)  # the launch's defaults, which compile() does not fill
+        source = GluonASTSource(kernel, signature, constants, {key: [["tt.divisibility", 16]] for key in aligned})
+        compiled = compile_kernel(source, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": mla_gluon_kernels.NUM_WARPS})
+        assert compiled.asm["cubin"], (sparse, split)
+        assert "wgmma.mma_async" in compiled.asm["ptx"]
+        assert compiled.metadata.shared <= HOPPER_SHARED_BYTES, (sparse, split, compiled.metadata.shared)
 
 
 def test_cache_shape_and_layer_checks():

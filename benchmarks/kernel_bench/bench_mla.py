@@ -300,19 +300,19 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}  triton {triton.__version__}  torch {torch.__version__}  "
           f"block_size {args.block_size}  (H={HEADS}, latent {LORA}+{ROPE}, bf16)", flush=True)
     backend = TritonMLABackend(args.block_size, DTYPE, torch.device("cuda"))
-    # The sweeps time the Triton kernel's tiles.
-    if args.only_sweep or args.prefill_sweep or args.sweep:
-        backend.attention_kernel = "triton"
     if args.only_sweep:
+        backend.attention_kernel = "triton"  # the sweeps time the Triton kernel's tiles
         sweep(backend, args.block_size, topk=not args.no_topk_sweep)
         return
     if args.prefill_sweep:
+        backend.attention_kernel = "triton"
         prefill_sweep(backend, args.block_size)
         return
     for kernel in args.kernels.split(",") if args.kernels else [backend.attention_kernel]:
         backend.attention_kernel = kernel
         table(backend, args.block_size, args.quick, with_torch=not args.no_torch)
     if args.sweep:
+        backend.attention_kernel = "triton"
         sweep(backend, args.block_size)
 
 

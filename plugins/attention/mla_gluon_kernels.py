@@ -11,8 +11,8 @@ columns, and exchange the softmax probabilities through shared memory:
 
 - q (latent and rope parts) is copied once into shared memory, the A operand of the score MMA;
 - each key tile's latent and rope rows are gathered by ``cp.async`` (one row address per key,
-  through the top-k list and the page table) into one of two buffers, so the next tile's copy
-  runs under this tile's MMAs;
+  from the top-k list's cache slots when sparse, from the page table when dense) into one of two
+  buffers, so the next tile's copy runs under this tile's MMAs;
 - scores ``[64, BLOCK_N] = q_lat . c^T + q_pe . k_pe^T`` (each warpgroup half of the keys),
   online softmax in base 2 with fp32 statistics (the row max crosses the two warpgroups),
   probabilities to shared memory, then ``acc += p . c`` (each warpgroup half of the latent).
@@ -40,6 +40,14 @@ block_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # the same re
 BLOCK_H = 64  # heads a program: one wgmma row block per warpgroup
 BLOCK_N = 64  # keys a tile
 NUM_WARPS = 8  # two warpgroups
+# What one block may hold on an H100/H200, less what the compiler adds for the row reductions'
+# and layout conversions' scratch (512 bytes at DeepSeek's shapes).
+SHARED_BYTES = 232448 - 2048
+
+
+def shared_bytes(lora: int, rope: int, item_bytes: int = 2) -> int:
+    """The kernel's own shared memory: q, two key tiles and the probabilities."""
+    return item_bytes * (BLOCK_H * (lora + rope) + 2 * BLOCK_N * (lora + rope) + BLOCK_H * BLOCK_N)
 
 
 @gluon.constexpr_function

@@ -86,6 +86,13 @@ def wgmma_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return (major, minor) >= (3, 6) and torch.cuda.get_device_capability(device)[0] == 9
 
 
+def wgmma_fits(layer: MLALayerSpec) -> bool:
+    """The Gluon kernel's shared memory (``mla_gluon_kernels.shared_bytes``) fits a Hopper block,
+    and its [64, kv_lora_rank] fp32 accumulator half a warpgroup's registers (up to 512)."""
+    return (layer.kv_lora_rank <= 512
+            and wgmma_kernels.shared_bytes(layer.kv_lora_rank, layer.qk_rope_head_dim) <= wgmma_kernels.SHARED_BYTES)
+
+
 def wgmma_aligned(*tensors: torch.Tensor) -> bool:
     """16-byte copies need 16-byte aligned rows: base addresses, and every stride but the last a
     multiple of 16 elements (the one the compiled kernel is told of)."""
@@ -286,13 +293,22 @@ class TritonMLABackend(MLABackend):
             num_warps=self.topk_warps if resident else 8,  # streamed radix passes ran slower with 16
         )
 
+    def kernel_for(self, layer: MLALayerSpec, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor) -> str:
+        """The attention kernel these inputs run: the chosen one, unless it is Gluon's and the
+        layer's shapes, the dtypes (its copies move raw bytes: q must be the cache's dtype) or the
+        rows' alignment do not suit it; then Triton's."""
+        if self.attention_kernel == "wgmma" and wgmma_fits(layer) and q_lat.dtype == q_pe.dtype == kv_cache.dtype \
+                and wgmma_aligned(q_lat, q_pe, kv_cache):
+            return "wgmma"
+        return "triton"
+
     def attend(self, layer: MLALayerSpec, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                metadata: AttentionMetadata, o_lat: torch.Tensor, plan: StepPlan,
                topk_slots: torch.Tensor | None) -> None:
         """o_lat [H, T, kv_lora_rank] from q_lat [H, T, kv_lora_rank] and q_pe (absorbed MQA);
         sparse plans attend to ``topk_slots`` (``topk_slots()``)."""
         num_tokens, lora = metadata.num_tokens, layer.kv_lora_rank
-        wgmma = self.attention_kernel == "wgmma" and wgmma_aligned(q_lat, q_pe, kv_cache)
+        wgmma = self.kernel_for(layer, q_lat, q_pe, kv_cache) == "wgmma"
         block_h, head_blocks = self.head_blocks(layer, "wgmma" if wgmma else "triton")
         split = plan.num_splits > 1
         if split:
