@@ -372,9 +372,9 @@ def add_made_up_mtp_weights(path: Path, *, seed: int = 0, source_layer: int = 1)
 
 
 def add_made_up_deepseek_mtp_weights(path: Path, *, seed: int = 0) -> Path:
-    """Give a tiny DeepSeek-V3 checkpoint (``make_tiny_deepseek_v3``) one next-token module in the
-    layout of the released checkpoints, at layer index ``num_hidden_layers``: a perturbed copy of
-    the last (MoE) decoder layer, ``enorm`` / ``hnorm`` / ``eh_proj`` [hidden, 2 hidden],
+    """Give a tiny DeepSeek-V3 or V3.2 checkpoint (``make_tiny_deepseek_v3`` / ``_v32``) one
+    next-token module in the layout of the released checkpoints, at layer index
+    ``num_hidden_layers``: a perturbed copy of the last (MoE) decoder layer (V3.2's with its indexer), ``enorm`` / ``hnorm`` / ``eh_proj`` [hidden, 2 hidden],
     ``shared_head.norm``, and copies of the embedding and the LM head (``embed_tokens``,
     ``shared_head.head``), in a second shard: the model's becomes the first, and an index lists
     both (transformers reads a lone ``model.safetensors`` in preference to an index)."""

@@ -50,6 +50,20 @@ def test_mtp_layers_are_skipped_with_one_log_line(tmp_path, caplog):
     assert with_mtp.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
 
 
+def test_a_v32_mtp_layer_and_its_indexer_are_skipped_with_one_log_line(tmp_path, caplog):
+    from helpers_models import add_made_up_deepseek_mtp_weights
+
+    path = make_tiny_deepseek_v32(tmp_path / "v32", with_tokenizer=True)
+    expected = LLM(str(path), device="cpu", dtype="float32", max_model_len=64).generate(
+        [PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    add_made_up_deepseek_mtp_weights(path)  # layer 3, self_attn.indexer.* among its tensors
+    with caplog.at_level(logging.INFO, logger="weir.plugins.models.deepseek_v3"):
+        with_mtp = LLM(str(path), device="cpu", dtype="float32", max_model_len=64)
+    mtp_lines = [record.getMessage() for record in caplog.records if "MTP" in record.getMessage()]
+    assert len(mtp_lines) == 1 and "DeepseekV32ForCausalLM" in mtp_lines[0] and "'mtp' loads them" in mtp_lines[0]
+    assert with_mtp.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
+
+
 def test_the_mtp_pattern_matches_only_the_declared_mtp_layers():
     from weir.plugins.models.deepseek_v3 import mtp_layer_pattern
 

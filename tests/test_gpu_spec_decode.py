@@ -12,7 +12,7 @@ import torch
 
 from engine_harness import assert_nothing_held, assert_steps_do_not_sync, record_graph_replays
 from helpers_models import (DEEPSEEK_TRITON_SHAPES, add_made_up_deepseek_mtp_weights, add_made_up_mtp_weights,
-                            make_tiny_deepseek_v3, make_tiny_eagle, make_tiny_llama, make_tiny_qwen3_next)
+                            make_tiny_deepseek_v3, make_tiny_deepseek_v32, make_tiny_eagle, make_tiny_llama, make_tiny_qwen3_next)
 from weir import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -104,6 +104,8 @@ MTP_CHECKPOINTS = {
     "qwen3_next": lambda path: add_made_up_mtp_weights(make_tiny_qwen3_next(path, with_tokenizer=True)),
     "deepseek_v3": lambda path: add_made_up_deepseek_mtp_weights(  # triton_mla's shapes: 16+ rope dims
         make_tiny_deepseek_v3(path, with_tokenizer=True, **DEEPSEEK_TRITON_SHAPES)),
+    "deepseek_v32": lambda path: add_made_up_deepseek_mtp_weights(  # its sparse module, index_topk 8
+        make_tiny_deepseek_v32(path, with_tokenizer=True, **DEEPSEEK_TRITON_SHAPES)),
 }
 
 

@@ -1,6 +1,6 @@
 """The target's own multi-token-prediction weights as a draft head (``method: mtp``), on tiny
-checkpoints with made-up MTP weights of Qwen3-Next (``mtp.*``) and DeepSeek-V3 (the module at
-layer ``num_hidden_layers``): greedy tokens and logprobs equal to the engine without speculation
+checkpoints with made-up MTP weights of Qwen3-Next (``mtp.*``), DeepSeek-V3 and V3.2 (the module at
+layer ``num_hidden_layers``; V3.2's sparse, its prompts past ``index_topk``): greedy tokens and logprobs equal to the engine without speculation
 (Qwen3-Next's DeltaNet state keeps nothing of rejected drafts), a checkpoint without the weights
 refused by name; and Qwen3-Next's first drafts equal to those of a reference built from
 transformers' own Qwen3-Next layer with the same weights (DeepSeek's reference:
@@ -15,17 +15,19 @@ import torch
 
 from engine_harness import assert_nothing_held
 from helpers_models import (add_made_up_deepseek_mtp_weights, add_made_up_mtp_weights, make_tiny_deepseek_v3,
-                            make_tiny_qwen3_next)
+                            make_tiny_deepseek_v32, make_tiny_qwen3_next)
 from test_spec_decode_engine import assert_same_completions, generate
 from weir import LLM, SamplingParams
 
 pytestmark = pytest.mark.integration
 
 MTP = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
-# family -> (tiny checkpoint, its made-up MTP weights, the missing weight a bare checkpoint is refused for)
+# family -> (tiny checkpoint, its made-up MTP weights, why a bare checkpoint is refused)
 FAMILIES = {
     "qwen3_next": (make_tiny_qwen3_next, add_made_up_mtp_weights, r"mtp\.fc\.weight"),
     "deepseek_v3": (make_tiny_deepseek_v3, add_made_up_deepseek_mtp_weights, r"model\.layers\.3\.eh_proj\.weight"),
+    # transformers' V3.2 config declares no MTP module by default
+    "deepseek_v32": (make_tiny_deepseek_v32, add_made_up_deepseek_mtp_weights, r"num_nextn_predict_layers is 0"),
 }
 
 

@@ -1,9 +1,10 @@
-"""DeepSeek-V3's next-token module as a draft head (``method: mtp``) on a tiny checkpoint with a
-made-up layer at index ``num_hidden_layers``: the head's first draft equal to transformers'
-``MtpModel`` with the same weights, and its second (the one module chained on its block's output
-before the head norm, as vLLM's ``deepseek_mtp`` chains it; transformers drafts one token per
-module) equal to that module of transformers' chained so; DeepSeek-V3.2's sparse module refused
-by name. Greedy exactness and the refusal of a checkpoint without the weights:
+"""DeepSeek-V3's and V3.2's next-token module as a draft head (``method: mtp``) on a tiny
+checkpoint with a made-up layer at index ``num_hidden_layers``: the head's first draft equal to
+transformers' ``MtpModel`` with the same weights, and its second (the one module chained on its
+block's output before the head norm, as vLLM's ``deepseek_mtp`` chains it; transformers drafts one
+token per module) equal to that module of transformers' chained so. V3.2's module is a sparse
+layer with its own indexer, and the prompts run past ``index_topk``. GLM-5's module refused by
+name. Greedy exactness and the refusal of a checkpoint without the weights:
 ``test_spec_decode_mtp``."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import random
 import pytest
 import torch
 
-from helpers_models import add_made_up_deepseek_mtp_weights, make_tiny_deepseek_v3, make_tiny_deepseek_v32
+from helpers_models import (add_made_up_deepseek_mtp_weights, make_tiny_deepseek_v3, make_tiny_deepseek_v32,
+                            make_tiny_glm_moe_dsa)
 from weir import LLM, SamplingParams
 
 pytestmark = pytest.mark.integration
@@ -21,16 +23,34 @@ pytestmark = pytest.mark.integration
 MTP = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = make_tiny_deepseek_v3(tmp_path_factory.mktemp("deepseek_mtp"), with_tokenizer=True)
+FAMILIES = {"deepseek_v3": make_tiny_deepseek_v3, "deepseek_v32": make_tiny_deepseek_v32}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def checkpoint(request, tmp_path_factory):
+    path = FAMILIES[request.param](tmp_path_factory.mktemp(request.param), with_tokenizer=True)
     return add_made_up_deepseek_mtp_weights(path)
 
 
-def test_deepseek_v32_mtp_is_refused_by_name(tmp_path):
-    path = make_tiny_deepseek_v32(tmp_path / "v32", with_tokenizer=True)
-    with pytest.raises(ValueError, match="DeepseekV32ForCausalLM has no multi-token-prediction head"):
+def test_glm_moe_dsa_mtp_is_refused_by_name(tmp_path):
+    path = add_made_up_deepseek_mtp_weights(make_tiny_glm_moe_dsa(tmp_path / "glm", with_tokenizer=True))
+    with pytest.raises(ValueError, match="GlmMoeDsaForCausalLM has no multi-token-prediction head"):
         LLM(str(path), device="cpu", speculative_config=MTP)
+
+
+def test_the_head_loads_its_indexer(checkpoint):
+    """The module's indexer is built and loaded from the checkpoint's layer, not left empty."""
+    from safetensors import safe_open
+
+    llm = LLM(str(checkpoint), device="cpu", dtype="float32", speculative_config=MTP)
+    attention = llm.engine.runner.spec.proposer.head.model.layers["3"].self_attn
+    if type(llm.engine.runner.model).__name__ == "DeepseekV3ForCausalLM":
+        assert attention.indexer is None  # V3's module is dense
+        return
+    with safe_open(checkpoint / "model-00002-of-00002.safetensors", "pt") as shard:
+        for name in ("wk.weight", "weights_proj.weight", "k_norm.bias"):
+            want = shard.get_tensor(f"model.layers.3.self_attn.indexer.{name}")
+            assert torch.equal(attention.indexer.get_parameter(name), want), name
 
 
 def test_mtp_drafts_match_a_transformers_reference(checkpoint, monkeypatch):
@@ -56,9 +76,17 @@ def test_mtp_drafts_match_a_transformers_reference(checkpoint, monkeypatch):
 
     # MtpModel finds a checkpoint's MTP weights through the main model's ignore patterns, which
     # name layer 61 (the released checkpoints'); the tiny model's module is layer 3.
-    monkeypatch.setattr(transformers.DeepseekV3ForCausalLM, "_keys_to_ignore_on_load_unexpected",
+    main_cls = type(engine.runner.model).__name__
+    monkeypatch.setattr(getattr(transformers, main_cls), "_keys_to_ignore_on_load_unexpected",
                         [r"model\.layers\.3\..*"])
-    main = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    main = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+    if main_cls == "DeepseekV32ForCausalLM":
+        # transformers' V3.2 config maps no MTP layer: declare the checkpoint's one, a sparse MoE
+        # block like the decoder's (MtpModel then builds it from the model's own layer classes).
+        main.config.num_mtp_layers = 1
+        main.config.mtp_layer_types = ["full_attention"]
+        main.config.mtp_mlp_layer_types = ["sparse"]
     mtp = MtpModel.from_pretrained(main).float().eval()
     layer = mtp.layers[0]
 

@@ -18,8 +18,8 @@ are greedy, verified as one-hot draft distributions (lossless for sampled reques
 Heads (their contract: ``weir.spec_decode.draft_head``): ``weir.spec_decode.eagle_heads``
 (EAGLE and EAGLE-3 checkpoints in the layout vLLM loads), and for ``mtp`` the class the target
 model names as ``mtp_head_class``, loaded from the target's checkpoint names that its
-``checkpoint_pattern(hf_config)`` matches: Qwen3-Next's ``mtp.*`` block, DeepSeek-V3's
-next-token modules at layer index ``num_hidden_layers`` on.
+``checkpoint_pattern(hf_config)`` matches: Qwen3-Next's ``mtp.*`` block, DeepSeek-V3's and
+V3.2's next-token modules at layer index ``num_hidden_layers`` on.
 """
 
 from __future__ import annotations

@@ -388,8 +388,13 @@ class DeepseekV3MTP(TargetSharedHead):
         self.first_layer = num_layers  # the modules' checkpoint indices: num_layers on
         self.model = nn.Module()
         self.model.layers = nn.ModuleDict({
-            str(layer_idx): DeepseekMTPLayer(hf_config, layer_idx, MLAAttention(hf_config, layer_idx, self.rotary_emb))
+            str(layer_idx): DeepseekMTPLayer(hf_config, layer_idx, MLAAttention(
+                hf_config, layer_idx, self.rotary_emb, self.make_indexer(hf_config, layer_idx, config.max_model_len)))
             for layer_idx in range(num_layers, num_layers + num_mtp)})
+
+    def make_indexer(self, hf_config: Any, layer_idx: int, max_positions: int) -> nn.Module | None:
+        """A module's indexer, where its attention is sparse (DeepSeek-V3.2's head); V3's is dense."""
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                 ctx: ForwardContext, step: int) -> tuple[torch.Tensor, torch.Tensor]:

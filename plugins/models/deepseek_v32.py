@@ -25,7 +25,7 @@ from torch import nn
 from weir.config import ModelConfig
 from weir.layers import Linear, RotaryEmbedding
 from weir.mla import IndexerInputs
-from weir.plugins.models.deepseek_v3 import DeepseekV3ForCausalLM, mla_rotary
+from weir.plugins.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MTP, mla_rotary
 
 INDEXER_NORM_EPS = 1e-6  # transformers' indexer k_norm: nn.LayerNorm(index_head_dim, eps=1e-6)
 
@@ -82,14 +82,24 @@ class LightningIndexer(nn.Module):
         return IndexerInputs(q=q, k=k, weights=weights)
 
 
-class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
-    """DeepSeek-V3.2: every MLA layer sparse, its indexer's RoPE rotate_half (non-interleaved).
-
-    Its MTP module is a sparse layer too (an indexer and its key cache of its own), which
-    transformers does not load either: no ``mtp`` draft head yet."""
+class DeepseekV32MTP(DeepseekV3MTP):
+    """DeepSeek-V3.2's next-token module as a draft head (``speculative_config`` method ``mtp``):
+    DeepSeek-V3's, its attention sparse like the target's, with a lightning indexer of its own
+    (checkpoint ``model.layers.{num_hidden_layers}.self_attn.indexer.*``) whose keys sit in the
+    head's latent cache rows."""
 
     indexer_rope_interleaved = False
-    mtp_head_class = None
+
+    def make_indexer(self, hf_config: Any, layer_idx: int, max_positions: int) -> LightningIndexer:
+        return LightningIndexer(hf_config, mla_rotary(hf_config, max_positions, self.indexer_rope_interleaved))
+
+
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V3.2: every MLA layer sparse, its indexer's RoPE rotate_half (non-interleaved);
+    its MTP module loads as ``DeepseekV32MTP``."""
+
+    indexer_rope_interleaved = False
+    mtp_head_class = DeepseekV32MTP
 
     def __init__(self, config: ModelConfig):
         hf_config = config.hf_config
@@ -109,9 +119,11 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
 
 class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):
     """GLM-5: DeepSeek-V3.2's layers with interleaved indexer RoPE. Only configs whose every
-    layer runs its own indexer (``indexer_types`` all "full") are served."""
+    layer runs its own indexer (``indexer_types`` all "full") are served. Its MTP module has no
+    draft head yet (none has been checked against a reference)."""
 
     indexer_rope_interleaved = True
+    mtp_head_class = None
 
     def __init__(self, config: ModelConfig):
         indexer_types = list(getattr(config.hf_config, "indexer_types", None) or [])
