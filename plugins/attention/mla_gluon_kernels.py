@@ -30,7 +30,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from weir.plugins.attention.mla_triton_kernels import token_position
+from weir.plugins.attention.mla_triton_kernels import program_key_tiles
 from weir.plugins.attention.triton_paged_kernels import NEG_BIG
 
 # cp.async into shared memory: ``async_load`` from triton 3.7 on (its old name raises there).
@@ -123,19 +123,8 @@ def mla_attention_wgmma_kernel(
     """``mla_attention_kernel``'s contract (its docstring) with ``BLOCK_H`` 64 and 8 warps."""
     num_warps: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = cache_ptr.dtype.element_ty
-    HEAD_BLOCKS: gl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
-    # Highest tokens first: in a prefill they see the most keys, so they start early.
-    token = num_tokens - 1 - gl.program_id(0) // HEAD_BLOCKS
-    head_block = gl.program_id(0) % HEAD_BLOCKS
-    split = gl.program_id(1)
-    req, position = token_position(query_start_loc_ptr, seq_lens_ptr, token, num_reqs)
-    num_keys = gl.maximum(position + 1, 0)  # a padding request (seq_len 0) sees no key
-    if SPARSE:
-        num_keys = gl.minimum(num_keys, topk)
-    num_tiles = gl.cdiv(num_keys, BLOCK_N)
-    tiles_per_split = gl.cdiv(num_tiles, num_splits)
-    first_tile = split * tiles_per_split
-    end_tile = gl.minimum(first_tile + tiles_per_split, num_tiles)
+    token, head_block, split, req, num_keys, first_tile, end_tile = program_key_tiles(
+        query_start_loc_ptr, seq_lens_ptr, num_reqs, num_tokens, num_splits, topk, NUM_HEADS, BLOCK_H, BLOCK_N, SPARSE)
     token64 = token.to(gl.int64)
     slot_list = topk_ptr + token64 * stride_kt  # sparse: this token's top-k cache slots
     table_row = block_tables_ptr + req.to(gl.int64) * stride_bt

@@ -57,6 +57,28 @@ def token_position(query_start_loc_ptr, seq_lens_ptr, token, num_reqs):
 
 
 @triton.jit
+def program_key_tiles(query_start_loc_ptr, seq_lens_ptr, num_reqs, num_tokens, num_splits, topk,
+                      NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE: tl.constexpr):
+    """An attention program's ``(token, head block, split, request, keys, first tile, end tile)``:
+    its key tiles ``[first, end)`` of ``BLOCK_N`` over the token's causal prefix (sparse: the first
+    ``min(topk, position + 1)`` entries of its list). Scalars only, so the Gluon kernel calls it too."""
+    HEAD_BLOCKS: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
+    # Highest tokens first: in a prefill they see the most keys, so they start early.
+    token = num_tokens - 1 - tl.program_id(0) // HEAD_BLOCKS
+    head_block = tl.program_id(0) % HEAD_BLOCKS
+    split = tl.program_id(1)
+    req, position = token_position(query_start_loc_ptr, seq_lens_ptr, token, num_reqs)
+    num_keys = tl.maximum(position + 1, 0)  # a padding request (seq_len 0) sees no key
+    if SPARSE:
+        num_keys = tl.minimum(num_keys, topk)
+    num_tiles = tl.cdiv(num_keys, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    first_tile = split * tiles_per_split
+    end_tile = tl.minimum(first_tile + tiles_per_split, num_tiles)
+    return token, head_block, split, req, num_keys, first_tile, end_tile
+
+
+@triton.jit
 def store_latent_kernel(
     kv_c_ptr, k_pe_ptr, index_k_ptr, cache_ptr, slot_mapping_ptr,
     stride_ct, stride_pt, stride_it, stride_c_block, stride_c_offset,
@@ -108,19 +130,8 @@ def mla_attention_kernel(
     softmax-weighted latent), or with ``SPLIT`` one normalised partial and its base-2 lse per
     key split, which ``mla_reduce_kernel`` merges.
     """
-    HEAD_BLOCKS: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
-    # Highest tokens first: in a prefill they see the most keys, so they start early.
-    token = num_tokens - 1 - tl.program_id(0) // HEAD_BLOCKS
-    head_block = tl.program_id(0) % HEAD_BLOCKS
-    split = tl.program_id(1)
-    req, position = token_position(query_start_loc_ptr, seq_lens_ptr, token, num_reqs)
-    num_keys = tl.maximum(position + 1, 0)  # a padding request (seq_len 0) sees no key
-    if SPARSE:
-        num_keys = tl.minimum(num_keys, topk)
-    num_tiles = tl.cdiv(num_keys, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    first_tile = split * tiles_per_split
-    end_tile = tl.minimum(first_tile + tiles_per_split, num_tiles)
+    token, head_block, split, req, num_keys, first_tile, end_tile = program_key_tiles(
+        query_start_loc_ptr, seq_lens_ptr, num_reqs, num_tokens, num_splits, topk, NUM_HEADS, BLOCK_H, BLOCK_N, SPARSE)
 
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     head_valid = heads < NUM_HEADS
