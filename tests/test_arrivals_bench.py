@@ -27,9 +27,9 @@ def test_two_variants_serve_every_request(tiny_llama_path, tmp_path, capsys):
         assert figures["steps"] >= 3 and figures["mixed_steps"] >= 1
         assert figures["mixed_graph_replays"] == 0  # no graphs on the CPU
         assert 0 < figures["median_ttft_ms"] <= figures["p99_ttft_ms"]
-    # Six 40-token prompts in 32-token chunks: at least 8 steps carry more than one prompt token of
-    # a request (a step whose only prompt piece is one token counts as decode; at most one such a
-    # prompt still leaves 234 tokens, 8 steps). How the defaults mix depends on arrival timing.
+    # Six 40-token prompts in 32-token chunks: at least 8 steps give some request more than one
+    # token (a step whose only prompt piece is a single token counts as decode; even one such step
+    # per prompt leaves 234 tokens, 8 steps of 32). How the defaults mix depends on arrival timing.
     assert report["chunks"]["mixed_steps"] >= 8
     assert "| chunks |" in capsys.readouterr().out
 

@@ -19,8 +19,8 @@ columns, and exchange the softmax probabilities through shared memory:
 
 Shared memory at DeepSeek's shapes (LORA 512, ROPE 64, 64 heads, 64 keys, bf16): q 72 KiB, two key
 buffers 144 KiB, p 8 KiB, 224 KiB of the 227 an H100/H200 block may hold. Gluon has no CPU
-interpreter, so CI runs the Triton kernel, and the GPU tests compare this one with the torch
-reference and with the Triton kernel.
+interpreter: CI runs the Triton kernel and compiles this one for sm_90a
+(``test_gluon_kernel_compiles_for_hopper``); the GPU tests compare it with the float64 oracle.
 """
 
 from __future__ import annotations
