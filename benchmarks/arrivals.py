@@ -38,6 +38,8 @@ def run_variant(model: str, options: dict, prompts: list[list[int]], arrivals: l
         engine.add_request(f"warm{index}", {"prompt_token_ids": prompts[index][:64]}, warm)
     while engine.has_unfinished_requests():
         engine.step()
+    # The warm-up prompts are the first timed ones' prefixes: no timed prompt may start cached.
+    assert llm.reset_prefix_cache()
 
     steps, mixed_replays = [], [0]  # (mixed, host seconds) per executed step
     execute = runner.execute

@@ -104,7 +104,7 @@ MTP_CHECKPOINTS = {
     "qwen3_next": lambda path: add_made_up_mtp_weights(make_tiny_qwen3_next(path, with_tokenizer=True)),
     "deepseek_v3": lambda path: add_made_up_deepseek_mtp_weights(  # triton_mla's shapes: 16+ rope dims
         make_tiny_deepseek_v3(path, with_tokenizer=True, **DEEPSEEK_TRITON_SHAPES)),
-    "deepseek_v32": lambda path: add_made_up_deepseek_mtp_weights(  # its sparse module, index_topk 8
+    "deepseek_v32": lambda path: add_made_up_deepseek_mtp_weights(  # a sparse module, index_topk 8
         make_tiny_deepseek_v32(path, with_tokenizer=True, **DEEPSEEK_TRITON_SHAPES)),
 }
 
@@ -114,9 +114,10 @@ MTP_CHECKPOINTS = {
 @pytest.mark.timeout(420, method="thread")
 @pytest.mark.parametrize("family", list(MTP_CHECKPOINTS))
 def test_mtp_greedy_equal(tmp_path, family):
-    """Qwen3-Next's MTP block and DeepSeek-V3's next-token module (through triton_mla and the
-    Triton MoE); verify steps and the head's passes after them replay graphs (Qwen3-Next's
-    DeltaNet layers inside them run per draft position on a scratch state)."""
+    """Qwen3-Next's MTP block and DeepSeek-V3's and V3.2's next-token modules (through triton_mla,
+    in fp32 its Triton kernels, V3.2's sparse ones, and the Triton MoE); verify steps and the
+    head's passes after them replay graphs (Qwen3-Next's DeltaNet layers inside them run per
+    draft position on a scratch state)."""
     path = MTP_CHECKPOINTS[family](tmp_path / family)
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
     _, want, _ = run(path, params)

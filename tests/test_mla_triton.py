@@ -488,9 +488,10 @@ HOPPER_SHARED_BYTES = 232448
 @pytest.mark.integration
 @pytest.mark.parametrize("shape", [DEEPSEEK, TINY], ids=["deepseek", "tiny"])
 def test_gluon_kernel_compiles_for_hopper(shape):
-    """Gluon has no CPU interpreter, so CI compiles the Hopper kernel instead: every variant (dense
-    and sparse, with and without key splits) down to an sm_90a binary with the installed triton's
-    ptxas, in the shared memory an H100/H200 block can hold. The GPU tests check what it computes."""
+    """Gluon has no CPU interpreter, so CI compiles the Hopper kernel instead: its four constexpr
+    variants (dense and sparse, with and without key splits, every stride but stride_bt 16-aligned)
+    down to an sm_90a binary with the installed triton's ptxas, in the shared memory an H100/H200
+    block can hold. The GPU tests check what it computes."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as compile_kernel
     from triton.experimental.gluon._runtime import GluonASTSource

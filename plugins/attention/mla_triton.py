@@ -178,7 +178,8 @@ class TritonMLABackend(MLABackend):
         num_splits = 1
         if max_query_len == 1:
             keys_read = min(max_seq_len, layer.index_topk) if sparse else max_seq_len
-            num_splits = self.num_kv_splits(num_tokens * self.head_blocks(layer)[1], keys_read)
+            kernel = "wgmma" if self.attention_kernel == "wgmma" and wgmma_fits(layer) else "triton"
+            num_splits = self.num_kv_splits(num_tokens * self.head_blocks(layer, kernel)[1], keys_read)
         return StepPlan(sparse, num_splits, max_seq_len <= self.topk_block)
 
     def warmup_shapes(self, layer: MLALayerSpec, max_prefill_len: int, decode_batches: list[int],
