@@ -40,9 +40,11 @@ block_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # the same re
 BLOCK_H = 64  # heads a program: one wgmma row block per warpgroup
 BLOCK_N = 64  # keys a tile
 NUM_WARPS = 8  # two warpgroups
-# What one block may hold on an H100/H200, less what the compiler adds for the row reductions'
-# and layout conversions' scratch (512 bytes at DeepSeek's shapes).
-SHARED_BYTES = 232448 - 2048
+HOPPER_BLOCK_SHARED_BYTES = 232448  # the most shared memory one H100/H200 block may opt into
+# Left for what the compiler adds for the row reductions' and layout conversions' scratch (512
+# bytes at DeepSeek's shapes): the kernel's own buffers (shared_bytes) may take the rest.
+COMPILER_SCRATCH_BYTES = 2048
+SHARED_BYTES = HOPPER_BLOCK_SHARED_BYTES - COMPILER_SCRATCH_BYTES
 
 
 def shared_bytes(lora: int, rope: int, item_bytes: int = 2) -> int:

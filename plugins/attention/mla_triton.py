@@ -178,8 +178,8 @@ class TritonMLABackend(MLABackend):
         num_splits = 1
         if max_query_len == 1:
             keys_read = min(max_seq_len, layer.index_topk) if sparse else max_seq_len
-            kernel = "wgmma" if self.attention_kernel == "wgmma" and wgmma_fits(layer) else "triton"
-            num_splits = self.num_kv_splits(num_tokens * self.head_blocks(layer, kernel)[1], keys_read)
+            num_splits = self.num_kv_splits(num_tokens * self.head_blocks(layer, self.layer_kernel(layer))[1],
+                                            keys_read)
         return StepPlan(sparse, num_splits, max_seq_len <= self.topk_block)
 
     def warmup_shapes(self, layer: MLALayerSpec, max_prefill_len: int, decode_batches: list[int],
@@ -294,11 +294,16 @@ class TritonMLABackend(MLABackend):
             num_warps=self.topk_warps if resident else 8,  # streamed radix passes ran slower with 16
         )
 
+    def layer_kernel(self, layer: MLALayerSpec) -> str:
+        """The attention kernel of ``layer``'s shapes (what the plan sizes splits for): the chosen
+        one, unless it is Gluon's and the shapes do not fit it."""
+        return "wgmma" if self.attention_kernel == "wgmma" and wgmma_fits(layer) else "triton"
+
     def kernel_for(self, layer: MLALayerSpec, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor) -> str:
-        """The attention kernel these inputs run: the chosen one, unless it is Gluon's and the
-        layer's shapes, the dtypes (its copies move raw bytes: q must be the cache's dtype) or the
-        rows' alignment do not suit it; then Triton's."""
-        if self.attention_kernel == "wgmma" and wgmma_fits(layer) and q_lat.dtype == q_pe.dtype == kv_cache.dtype \
+        """The attention kernel these inputs run: the layer's, unless it is Gluon's and the dtypes
+        (its copies move raw bytes: q must be the cache's dtype) or the rows' alignment do not
+        suit it; then Triton's."""
+        if self.layer_kernel(layer) == "wgmma" and q_lat.dtype == q_pe.dtype == kv_cache.dtype \
                 and wgmma_aligned(q_lat, q_pe, kv_cache):
             return "wgmma"
         return "triton"
@@ -309,8 +314,8 @@ class TritonMLABackend(MLABackend):
         """o_lat [H, T, kv_lora_rank] from q_lat [H, T, kv_lora_rank] and q_pe (absorbed MQA);
         sparse plans attend to ``topk_slots`` (``topk_slots()``)."""
         num_tokens, lora = metadata.num_tokens, layer.kv_lora_rank
-        wgmma = self.kernel_for(layer, q_lat, q_pe, kv_cache) == "wgmma"
-        block_h, head_blocks = self.head_blocks(layer, "wgmma" if wgmma else "triton")
+        kernel = self.kernel_for(layer, q_lat, q_pe, kv_cache)
+        block_h, head_blocks = self.head_blocks(layer, kernel)
         split = plan.num_splits > 1
         if split:
             # Contiguous, so the lse buffer's offsets are the output buffer's divided by kv_lora_rank.
@@ -333,7 +338,7 @@ class TritonMLABackend(MLABackend):
         grid = (num_tokens * head_blocks, plan.num_splits)
         shape = dict(NUM_HEADS=layer.num_heads, LORA=lora, ROPE=layer.qk_rope_head_dim, BLOCK_SIZE=kv_cache.shape[1],
                      SPARSE=plan.sparse, SPLIT=split)
-        if wgmma:
+        if kernel == "wgmma":
             wgmma_kernels.mla_attention_wgmma_kernel[grid](*args, **shape, num_warps=wgmma_kernels.NUM_WARPS)
         else:
             tiles = self.tiles()
