@@ -97,6 +97,10 @@ def stop_group(proc: subprocess.Popen, grace: float = STOP_GRACE_SECONDS) -> Non
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
+def _unblock_sigterm() -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
 def _read(file) -> str:
     file.seek(0)
     return file.read().decode(errors="replace")
@@ -107,10 +111,19 @@ def run(cmd: list[str], log: Path, env: dict | None = None, timeout: int = 900) 
     group, stopped with all it started however this returns (done, failed, timed out, SIGTERM)."""
     start = time.time()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env={**os.environ, **(env or {})},
-                                start_new_session=True)
+        # A SIGTERM landing inside Popen, once the child has started but before ``proc`` exists,
+        # would leave that child running unstopped: it waits, blocked, until the ``try`` below
+        # (the child unblocks it for itself before its exec).
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=err, env={**os.environ, **(env or {})},
+                                    start_new_session=True, preexec_fn=_unblock_sigterm)
+        except BaseException:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+            raise
         status = "stopped"
         try:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one pending is raised here
             proc.wait(timeout)
             status = f"rc={proc.returncode}, {time.time() - start:.0f} s"
         except subprocess.TimeoutExpired:

@@ -211,6 +211,33 @@ def test_race_on_the_tiny_model_against_a_fake_vllm(tiny_model, fake_vllm, tmp_p
                                  "'few=--max-num-seqs 2' --longctx --longctx-requests 2 --longctx-range 300:600,8:8")
 
 
+@pytest.mark.skipif(not HAS_PROC, reason="reads /proc (Linux)")
+def test_a_sigterm_while_a_run_starts_still_stops_it(race, monkeypatch, tmp_path):
+    """The SIGTERM lands just as the child has started, before Popen returns (on a busy machine
+    the script's own signal handler can run there): the run is still stopped, child and all, and
+    the child itself can still be stopped by SIGTERM."""
+    marker = f"sigterm-at-start-{tmp_path.name}"
+    started = []
+    real_popen = subprocess.Popen
+
+    def popen_then_sigterm(*args, **kwargs):
+        proc = real_popen(*args, **kwargs)
+        started.append(proc)
+        os.kill(os.getpid(), signal.SIGTERM)  # before the caller holds proc
+        return proc
+
+    monkeypatch.setattr(race.subprocess, "Popen", popen_then_sigterm)
+    previous = signal.signal(signal.SIGTERM, race._exit_on_sigterm)
+    try:
+        with pytest.raises(SystemExit):
+            race.run([sys.executable, "-c", "import time; time.sleep(600)", marker], tmp_path / "run.log")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert_all_gone(lambda: processes_naming(marker))
+    assert started[0].returncode == -signal.SIGTERM, "stopped by the group's SIGTERM, not the SIGKILL after"
+    assert "[stopped by SystemExit" in (tmp_path / "run.log").read_text()
+
+
 @pytest.mark.integration
 @pytest.mark.skipif(not HAS_PROC, reason="reads /proc (Linux)")
 @pytest.mark.parametrize("engine", ["weir", "vllm"])
