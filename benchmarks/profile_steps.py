@@ -7,6 +7,9 @@ mixed vs pure decode) and decode batch size, then a torch-profiler table of a st
         --profile-prefill 16x1024   # one prefill step of 16 prompts of 1024 tokens
     python3 -m benchmarks.profile_steps benchmarks/models/deepseek-v32-7l --num-prompts 0 --profile-batch "" \
         --expert-spread 256         # how the random weights' router spreads tokens over the experts
+    python3 -m benchmarks.profile_steps benchmarks/models/deepseek-v32-7l --max-model-len 16640 \
+        --num-prompts 32 --random-range 8192:16384,256:256 --profile-batch 32 --profile-context 12288
+                                    # the race's long-context workload, and decode over long prompts
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 import torch
 
 from weir import LLM, SamplingParams
-from weir.cli.bench.throughput import random_workload
+from weir.cli.bench.throughput import parse_random_range, random_workload
 
 from benchmarks.race import has_tokenizer
 
@@ -71,22 +74,24 @@ def largest_token_id(engine) -> int:
     return min(10000, engine.config.model.vocab_size - 1)
 
 
-def profile_window(llm, batch: int, top: int, num_steps: int = 6) -> None:
+def profile_window(llm, batch: int, top: int, context: int = 399, num_steps: int = 6) -> None:
     engine = llm.engine
     # Prompts of their own, as a real batch has: one prompt for all would hit the prefix cache and
     # route every request's tokens to the same experts (a MoE step would stream far fewer).
-    prompts, _ = random_workload(batch, (399, 399), (1, 1), 1, largest_token_id(engine))
+    prompts, _ = random_workload(batch, (context, context), (1, 1), 1, largest_token_id(engine))
     for index, prompt in enumerate(prompts):
         engine.add_request(f"p{index}", {"prompt_token_ids": prompt},
                            SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=200))
-    for _ in range(40):
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
+        engine.step()
+    for _ in range(20):
         engine.step()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(10):
         engine.step()
     torch.cuda.synchronize()
-    print(f"steady decode at batch {batch}: {(time.perf_counter() - start) * 100:.2f} ms/step")
+    print(f"steady decode at batch {batch} over {context}-token prompts: {(time.perf_counter() - start) * 100:.2f} ms/step")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(num_steps):
             engine.step()
@@ -186,7 +191,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
     parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--random-range", default="100:1024,100:1024", metavar="IMIN:IMAX,OMIN:OMAX",
+                        help="prompt and output lengths of the timed run (the nano-bench's by default)")
     parser.add_argument("--profile-batch", default="256,32")
+    parser.add_argument("--profile-context", type=int, default=399, help="prompt length of the decode windows")
     parser.add_argument("--top", type=int, default=14, help="kernels listed per profiled window")
     parser.add_argument("--linear-state-dtype", default=None)
     parser.add_argument("--max-model-len", type=int, default=4096, help="longer for --profile-prefill of long prompts")
@@ -204,10 +212,10 @@ def main() -> None:
     print(f"STARTUP {time.perf_counter() - start:.1f} s")
     logging.getLogger().setLevel(logging.WARNING)
     if args.num_prompts:
-        prompts, max_tokens = random_workload(args.num_prompts, (100, 1024), (100, 1024), 0, 10000)
+        prompts, max_tokens = random_workload(args.num_prompts, *parse_random_range(args.random_range), 0, 10000)
         timed_steps(llm, prompts, max_tokens)
     for batch in filter(None, args.profile_batch.split(",")):
-        profile_window(llm, int(batch), args.top)
+        profile_window(llm, int(batch), args.top, args.profile_context)
     if args.profile_prefill:
         profile_prefill(llm, args.profile_prefill, args.top)
     if args.expert_spread:

@@ -13,7 +13,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRotaryEm
 from transformers.models.qwen3_next.modeling_qwen3_next import apply_rotary_pos_emb as partial_apply_rope
 
 from helpers_models import ROPE_VARIANTS
-from weir.layers import MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding, rope_parameters_of
+from weir.layers import Fp32Linear, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding, rope_parameters_of
 
 MAX_POSITIONS = 512
 NUM_TOKENS, NUM_HEADS, NUM_KV_HEADS = 24, 4, 2
@@ -131,6 +131,46 @@ def test_rms_norm_matches_transformers(dtype):
     fused, new_residual = norm(x, residual)
     torch.testing.assert_close(new_residual, residual + x, rtol=0, atol=0)
     torch.testing.assert_close(fused, hf_norm(residual + x), rtol=0, atol=0)
+
+
+def fp32_linear(device: str, bias: bool) -> Fp32Linear:
+    layer = Fp32Linear(7168, 256, bias=bias).to(device)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(256, 7168, generator=generator) * 0.02)
+        if bias:
+            layer.bias.copy_(torch.randn(256, generator=generator))
+        layer.process_weights_after_loading()
+    return layer
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_linear_computes_in_float32_on_the_cpu(bias):
+    layer = fp32_linear("cpu", bias)
+    assert layer.split_weight is None  # the split halves are for CUDA's bf16 GEMMs
+    x = torch.randn(5, 3, 7168).to(torch.bfloat16)
+    out = layer(x)
+    assert out.dtype == torch.float32 and out.shape == (5, 3, 256)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x.float(), layer.weight, layer.bias), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("bias", [False, True])
+def test_gpu_fp32_linear_bf16_halves_match_the_float32_gemm(bias):
+    """A bf16 input on CUDA goes through the two bf16 halves of the weight: the float32 product to
+    about 2**-16 of the output's scale, where one bf16 weight would be off by about 2**-9."""
+    layer = fp32_linear("cuda", bias)
+    assert layer.split_weight is not None and layer.split_weight.dtype == torch.bfloat16
+    x = torch.randn(300, 7168, device="cuda").to(torch.bfloat16)
+    bias = None if layer.bias is None else layer.bias.double()
+    expected = torch.nn.functional.linear(x.double(), layer.weight.double(), bias)
+    out = layer(x)
+    assert out.dtype == torch.float32
+    error = float((out.double() - expected).abs().max() / expected.abs().max())
+    one_half = torch.nn.functional.linear(x.float(), layer.weight.to(torch.bfloat16).float(), layer.bias)
+    assert error < 2e-5, error
+    assert float((one_half.double() - expected).abs().max() / expected.abs().max()) > 10 * error
 
 
 def test_merged_linear_shards_and_split():

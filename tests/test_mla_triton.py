@@ -244,16 +244,19 @@ def check_backend(backend, case: MLACase) -> torch.Tensor:
     return out
 
 
-def mla_backend(dtype, device, block_size, *, splits=None, topk=None, tiles=None, kernel=None):
+def mla_backend(dtype, device, block_size, *, splits=None, topk=None, tiles=None, kernel=None, scores=None):
     """``topk``: (block, counting) of the top-k kernel: a score row of at most ``block`` keys stays
     resident (found by counting or by radix passes), a longer one streams. ``kernel``: the
-    attention kernel, "wgmma" (skips where it cannot run) or "triton"; None: the backend's choice."""
+    attention kernel, "wgmma" (skips where it cannot run) or "triton"; None: the backend's choice.
+    ``scores``: (shortest query that takes the block-of-tokens indexer kernel, its ScoreTiles)."""
     from weir.plugins.attention.mla_triton import TritonMLABackend, wgmma_supported
 
     backend = TritonMLABackend(block_size, dtype, torch.device(device))
     backend.forced_num_splits, backend.attention_tiles = splits, tiles
     if topk is not None:
         backend.topk_block, backend.topk_counting = topk
+    if scores is not None:
+        backend.block_scores_min_query_len, backend.block_score_tiles = scores
     if kernel == "wgmma" and not wgmma_supported(torch.device(device), dtype):
         pytest.skip("the wgmma kernel needs a Hopper GPU and a 16-bit dtype")
     backend.attention_kernel = kernel or backend.attention_kernel
@@ -333,6 +336,22 @@ def check_sparse_batch_kinds(device: str) -> None:
         check_backend(mla_backend(torch.float32, device, 4, topk=topk), case)
 
 
+def check_indexer_score_kernels(device: str) -> None:
+    """Both indexer kernels on every batch kind: one token a program (forced on prefills too)
+    and blocks of 2, 4 and 8 tokens (forced on decode too), whose blocks straddle requests,
+    cover several of them, or end past the pass's rows (a score buffer of 7 rows)."""
+    from weir.plugins.attention.mla_triton import ScoreTiles
+
+    layer = mla_layer(TINY, TINY_INDEXER)
+    one_token = (1 << 30, None)
+    blocks = [(1, ScoreTiles(block_t, 16, 4, 2)) for block_t in (2, 4, 8)]
+    for (query_lens, seq_lens), scores in itertools.product(SPARSE_BATCHES.values(), [one_token] + blocks):
+        case = make_mla_case(query_lens, seq_lens, layer, block_size=4, dtype=torch.float32, device=device)
+        backend = mla_backend(torch.float32, device, 4, scores=scores)
+        backend.score_buffer_bytes = 7 * 4 * case.metadata.max_seq_len
+        check_backend(backend, case)
+
+
 def check_sparse_decode_splits_and_padding(device: str) -> None:
     layer = mla_layer(TINY, dict(TINY_INDEXER, index_topk=12))
     query_lens, seq_lens = [1] * 5, [30, 0, 13, 50, 1]
@@ -405,8 +424,8 @@ def check_tokens_owned_by_no_request(device: str) -> None:
 
 
 CHECKS = [check_dense_batch_kinds, check_decode_split_k_and_padding_requests, check_heads_past_one_block,
-          check_sparse_batch_kinds, check_sparse_decode_splits_and_padding, check_sparse_ties_and_short_sequences,
-          check_sixteen_bit, check_tokens_owned_by_no_request]
+          check_sparse_batch_kinds, check_indexer_score_kernels, check_sparse_decode_splits_and_padding,
+          check_sparse_ties_and_short_sequences, check_sixteen_bit, check_tokens_owned_by_no_request]
 
 test_kernels_interpreted_on_cpu, test_kernels_on_cuda = kernel_check_tests("test_mla_triton", CHECKS)
 

@@ -19,12 +19,14 @@ the latent rows read once per request (1152 B each); TFLOP/s the absorbed form's
 
     python3 -m benchmarks.kernel_bench.bench_mla [--sweep] [--quick] [--block-size 64] [--kernels wgmma,triton]
     python3 -m benchmarks.kernel_bench.bench_mla --prefill-sweep   # attention tiles for prefill steps alone
+    python3 -m benchmarks.kernel_bench.bench_mla --indexer-sweep   # the indexer's score kernels and top-k alone
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+from dataclasses import replace
 
 import torch
 import triton
@@ -33,7 +35,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from benchmarks.kernel_bench.timing import graph_us, median_us
 from weir.attention import AttentionMetadata
 from weir.mla import IndexerInputs, MLALayerSpec
-from weir.plugins.attention.mla_triton import TOPK_BLOCK, MLATiles, TritonMLABackend
+from weir.plugins.attention.mla_triton import (BLOCK_SCORES_MIN_QUERY_LEN, TOPK_BLOCK, TOPK_RESIDENT_WARPS, MLATiles,
+                                              ScoreTiles, TritonMLABackend)
 
 HEADS, LORA, ROPE, NOPE, V = 128, 512, 64, 128, 128
 INDEX_HEADS, INDEX_DIM, TOPK = 64, 128, 2048
@@ -217,7 +220,7 @@ def sweep(backend, block_size: int, topk: bool = True) -> None:
             backend.topk_block, backend.topk_counting, backend.topk_warps = block, counting, warps
             label = f"top-k block={block} {'counting' if counting else 'radix'} warps={warps}"
             print(label, stage_times(backend, True, batch, context, block_size), flush=True)
-    backend.topk_block, backend.topk_counting, backend.topk_warps = TOPK_BLOCK, False, 8
+    backend.topk_block, backend.topk_counting, backend.topk_warps = TOPK_BLOCK, True, TOPK_RESIDENT_WARPS
     for sparse, batch, context in ((False, 256, 1024), (False, 256, 4096), (True, 256, 16384)):
         for tiles in DECODE_TILES:
             backend.attention_tiles = tiles
@@ -260,6 +263,55 @@ def prefill_sweep(backend, block_size: int) -> None:
     backend.attention_tiles = None
 
 
+# Block-of-tokens indexer tiles tried on prefill steps, the default first; the one-token kernel
+# is timed beside them.
+SCORE_TILES = (ScoreTiles(2, 128, 4, 3), ScoreTiles(2, 128, 8, 3), ScoreTiles(4, 128, 8, 3), ScoreTiles(4, 128, 8, 2),
+               ScoreTiles(4, 64, 4, 3), ScoreTiles(4, 64, 8, 3))
+
+
+def indexer_sweep(backend, block_size: int) -> None:
+    """The indexer's scores and top-k, alone, on prefill steps (one score-buffer pass of rows at
+    the end of the prompt, where rows are longest) and on decode at B=32 as a graph runs it
+    (max_seq_len the long-context workload's max_model_len): each score kernel and tile set,
+    then each top-k search."""
+    layer = layer_spec(True)
+    for query_len, seq_len in ((2048, 16384), (4096, 16000)):
+        inputs = make_step(layer, [query_len], [seq_len], block_size)
+        metadata, cache = inputs["metadata"], inputs["kv_cache"]
+        scores = torch.empty((query_len, seq_len), dtype=torch.float32, device="cuda")
+        topk = torch.empty((query_len, TOPK), dtype=torch.int32, device="cuda")
+        flops = 2 * INDEX_HEADS * INDEX_DIM * sum(seq_len - query_len + t + 1 for t in range(query_len))
+        label = f"prefill {query_len} tokens at {seq_len} keys"
+        for tiles in (None,) + SCORE_TILES:
+            backend.block_scores_min_query_len = 1 << 30 if tiles is None else 2
+            backend.block_score_tiles = tiles
+            us = median_us(lambda: backend.indexer_scores(layer, inputs["indexer"], cache, metadata, scores, 0,
+                                                          query_len), iters=10)
+            print(f"  {label}: scores {'one token a program' if tiles is None else tiles} {us:9.1f} us "
+                  f"{flops / us / 1e6:6.1f} TFLOP/s", flush=True)
+        for counting in (True, False):
+            backend.topk_counting = counting
+            us = median_us(lambda: backend.select_topk(layer, scores, topk, metadata, 0, query_len), iters=10)
+            print(f"  {label}: top-k {'counting' if counting else 'radix'} {us:9.1f} us", flush=True)
+        backend.topk_counting = True
+        torch.cuda.empty_cache()
+    backend.block_scores_min_query_len, backend.block_score_tiles = BLOCK_SCORES_MIN_QUERY_LEN, None
+    batch, context, graph_len = 32, 12288, 16640
+    inputs = make_step(layer, [1] * batch, [context] * batch, block_size)
+    metadata, cache = inputs["metadata"], inputs["kv_cache"]
+    topk = torch.empty((batch, TOPK), dtype=torch.int32, device="cuda")
+    for max_seq_len, block, warps in ((context, TOPK_BLOCK, 16), (graph_len, TOPK_BLOCK, 16), (graph_len, 32768, 16)):
+        step = replace(metadata, max_seq_len=max_seq_len)
+        scores = torch.empty((batch, max_seq_len), dtype=torch.float32, device="cuda")
+        backend.topk_block, backend.topk_warps = block, warps
+        times = {"scores": graph_us(lambda: backend.indexer_scores(layer, inputs["indexer"], cache, step, scores,
+                                                                  0, batch)),
+                 "top-k": graph_us(lambda: backend.select_topk(layer, scores, topk, step, 0, batch))}
+        print(f"  decode B={batch} at {context} keys, max_seq_len {max_seq_len}, top-k block {block} warps {warps}: "
+              + "  ".join(f"{name} {us:7.1f} us" for name, us in times.items()), flush=True)
+    backend.topk_block, backend.topk_warps = TOPK_BLOCK, TOPK_RESIDENT_WARPS
+
+
 def table(backend, block_size: int, quick: bool, with_torch: bool) -> None:
     """Decode (dense, sparse) and prefill rows of the backend's attention kernel."""
     contexts = (1024, 4096, 16384) if quick else (1024, 2048, 4096, 8192, 16384)
@@ -296,6 +348,7 @@ def main() -> None:
     parser.add_argument("--kernels", default="", help="attention kernels to time in turn (wgmma, triton); "
                         "default: the backend's choice")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch rows beside decode and prefill")
+    parser.add_argument("--indexer-sweep", action="store_true", help="only time the indexer's score kernels and top-k")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}  triton {triton.__version__}  torch {torch.__version__}  "
           f"block_size {args.block_size}  (H={HEADS}, latent {LORA}+{ROPE}, bf16)", flush=True)
@@ -303,6 +356,9 @@ def main() -> None:
     if args.only_sweep:
         backend.attention_kernel = "triton"  # the sweeps time the Triton kernel's tiles
         sweep(backend, args.block_size, topk=not args.no_topk_sweep)
+        return
+    if args.indexer_sweep:
+        indexer_sweep(backend, args.block_size)
         return
     if args.prefill_sweep:
         backend.attention_kernel = "triton"

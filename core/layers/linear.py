@@ -41,6 +41,40 @@ class Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
 
 
+class Fp32Linear(Linear):
+    """``y = x @ W.T (+ b)`` in float32 with ``W`` (and ``b``) kept float32 (``keep_fp32_params``),
+    as transformers computes DeepSeek's router logits and DSA's ``weights_proj``.
+
+    After loading on CUDA the weight is also split into two bf16 halves, ``hi = bf16(W)`` and
+    ``lo = bf16(W - hi)``. A bf16 ``x`` is exact in bf16, so one bf16 GEMM of ``x`` against
+    ``[hi; lo]`` accumulating and writing float32, its two halves summed, is the float32 product
+    to about 2**-16 relative: at tensor-core speed, and without a float32 copy of ``x`` (the exact
+    float32 GEMM, on CUDA cores, took most of these layers' time in a long prefill). Other inputs
+    (float32 reference runs, the CPU) take the exact float32 GEMM.
+    """
+
+    keep_fp32_params = ("weight", "bias")
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias)
+        self.split_weight: torch.Tensor | None = None  # [2 * out_features, in_features] bf16: hi, then lo
+
+    def process_weights_after_loading(self) -> None:
+        if self.weight.is_cuda:
+            hi = self.weight.to(torch.bfloat16)
+            self.split_weight = torch.cat([hi, (self.weight - hi.float()).to(torch.bfloat16)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., out_features] fp32
+        if self.split_weight is None or x.dtype != torch.bfloat16:
+            return F.linear(x.float(), self.weight, self.bias)
+        rows = x.reshape(-1, self.in_features)  # [T, in_features]
+        halves = torch.mm(rows, self.split_weight.t(), out_dtype=torch.float32)  # [T, 2 * out_features]
+        out = halves[:, :self.out_features] + halves[:, self.out_features:]
+        if self.bias is not None:
+            out += self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+
 class MergedLinear(Linear):
     """Several projections of one input fused into a single GEMM.
 

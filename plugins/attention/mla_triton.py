@@ -43,7 +43,8 @@ import triton
 
 from weir.attention import AttentionMetadata
 from weir.mla import MLA, SPARSE_MLA, IndexerInputs, MLABackend, MLALayerSpec, check_forward_inputs
-from weir.plugins.attention.mla_triton_indexer import indexer_scores_kernel, topk_kernel, topk_slots_kernel
+from weir.plugins.attention.mla_triton_indexer import (indexer_block_scores_kernel, indexer_scores_kernel, topk_kernel,
+                                                       topk_slots_kernel)
 from weir.plugins.attention.mla_triton_kernels import mla_attention_kernel, mla_reduce_kernel, store_latent_kernel
 from weir.plugins.attention.triton_paged_kernels import LOG2_E
 
@@ -63,8 +64,29 @@ TOPK_RESIDENT_WARPS = 16  # 32 registers of keys a thread; 8 warps took 53 us th
 # Key tiles one indexer-score program covers, loading the token's q once (1 and 4 timed the same
 # on an H200 at decode B=32 and 256; 4 launches a quarter of the programs).
 SCORE_TILES_PER_PROGRAM = 4
+# Steps with a query of at least this many tokens (prefill chunks) score a block of query tokens
+# per program, sharing each key tile among them (indexer_block_scores_kernel).
+BLOCK_SCORES_MIN_QUERY_LEN = 2
 # The indexer's fp32 score rows are computed for this many bytes of query tokens at a time.
 SCORE_BUFFER_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class ScoreTiles:
+    """Tiles of the block-of-tokens indexer kernel: query tokens and keys per dot, launch shape."""
+
+    block_t: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_score_tiles(index_heads: int, dtype: torch.dtype) -> ScoreTiles:
+    if dtype == torch.float32:  # exact fp32 dots: small tiles stay out of register spills
+        return ScoreTiles(2, 64, 4, 2)
+    # Two tokens of DeepSeek-V3.2's 64 heads: a [128 keys, 128] fp32 accumulator over 4 warps. On
+    # an H200 (bench_mla --indexer-sweep) this beat four tokens, 8 warps and 64-key tiles.
+    return ScoreTiles(max(1, 128 // max(16, triton.next_power_of_2(index_heads))), 128, 4, 3)
 
 
 @dataclass(frozen=True)
@@ -147,6 +169,9 @@ class TritonMLABackend(MLABackend):
         self.topk_counting = True  # resident rows: bisect by counting (False: radix passes, as streamed rows)
         self.topk_warps = TOPK_RESIDENT_WARPS
         self.score_tiles_per_program = SCORE_TILES_PER_PROGRAM
+        # None: the block-of-tokens kernel for steps with a prefill, with default_score_tiles.
+        self.block_score_tiles: ScoreTiles | None = None
+        self.block_scores_min_query_len = BLOCK_SCORES_MIN_QUERY_LEN
         self.score_buffer_bytes = SCORE_BUFFER_BYTES
 
     def kv_cache_shape(self, num_blocks: int, layer: MLALayerSpec) -> tuple[int, ...]:
@@ -270,15 +295,29 @@ class TritonMLABackend(MLABackend):
                        metadata: AttentionMetadata, scores: torch.Tensor, first_token: int, rows: int) -> None:
         """Score rows [rows, max_seq_len] fp32 of tokens ``first_token ..`` over their causal prefix."""
         fp32 = kv_cache.dtype == torch.float32
-        block_n = 64 if fp32 else 128
         tiles = self.score_tiles_per_program
+        heads_p = max(16, triton.next_power_of_2(layer.index_n_heads))
+        if metadata.max_query_len >= self.block_scores_min_query_len:
+            block = self.block_score_tiles or default_score_tiles(layer.index_n_heads, kv_cache.dtype)
+            indexer_block_scores_kernel[(triton.cdiv(rows, block.block_t), triton.cdiv(scores.shape[1], block.block_n * tiles))](
+                indexer.q, indexer.weights, kv_cache, scores, metadata.block_tables, metadata.seq_lens,
+                metadata.query_start_loc, metadata.num_reqs, first_token, rows,
+                indexer.q.stride(0), indexer.q.stride(1), indexer.weights.stride(0), scores.stride(0),
+                metadata.block_tables.stride(0), kv_cache.stride(0), kv_cache.stride(1),
+                KEY_COL=layer.latent_dim, NUM_HEADS=layer.index_n_heads, HEADS_P=heads_p,
+                HEAD_DIM=layer.index_head_dim, BLOCK_T=block.block_t, BLOCK_N=block.block_n, TILES=tiles,
+                BLOCK_SIZE=kv_cache.shape[1], PRECISION="ieee" if fp32 else None,
+                num_warps=block.num_warps, num_stages=block.num_stages,
+            )
+            return
+        block_n = 64 if fp32 else 128
         indexer_scores_kernel[(rows, triton.cdiv(scores.shape[1], block_n * tiles))](
             indexer.q, indexer.weights, kv_cache, scores, metadata.block_tables, metadata.seq_lens,
             metadata.query_start_loc, metadata.num_reqs, first_token,
             indexer.q.stride(0), indexer.q.stride(1), indexer.weights.stride(0), scores.stride(0),
             metadata.block_tables.stride(0), kv_cache.stride(0), kv_cache.stride(1),
             KEY_COL=layer.latent_dim, NUM_HEADS=layer.index_n_heads,
-            HEADS_P=max(16, triton.next_power_of_2(layer.index_n_heads)), HEAD_DIM=layer.index_head_dim,
+            HEADS_P=heads_p, HEAD_DIM=layer.index_head_dim,
             BLOCK_N=block_n, TILES=tiles, BLOCK_SIZE=kv_cache.shape[1], PRECISION="ieee" if fp32 else None,
             num_warps=4, num_stages=3,
         )

@@ -4,6 +4,8 @@ the top-k selection of the keys each query attends to.
 ``indexer_scores_kernel``: one program per (query token, tile of ``BLOCK_N`` keys) of the token's
 causal prefix: ``score(t, j) = sum_g w(t, g) * relu(q(t, g) . k_j)``, the ``[BLOCK_N, heads]``
 dot done once for all heads of the token; fp32 scores go to a ``[rows, max_seq_len]`` buffer.
+``indexer_block_scores_kernel``: the same for a block of consecutive query tokens (prefill),
+sharing each key tile among them.
 
 ``topk_kernel``: one program per query token picks the ``topk`` highest scores of its row
 (``position + 1`` entries) without sorting. It finds the k-th largest score exactly, on the
@@ -64,6 +66,63 @@ def indexer_scores_kernel(
         k = tl.load(cache_ptr + rows[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)  # [N, D]
         logits = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # [N, G]
         tl.store(score_row + keys, tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1), mask=key_mask)
+
+
+@triton.jit(do_not_specialize=["num_reqs", "first_token", "rows", "stride_bt"])
+def indexer_block_scores_kernel(
+    q_ptr, weights_ptr, cache_ptr, scores_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    num_reqs, first_token, rows,
+    stride_qt, stride_qh, stride_wt, stride_sr, stride_bt, stride_c_block, stride_c_offset,
+    KEY_COL: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """``indexer_scores_kernel`` for ``BLOCK_T`` consecutive rows at once (prefill): each key
+    tile is loaded once for all of them, one ``[BLOCK_N, BLOCK_T * heads]`` dot, where the
+    one-token kernel loads it once per token. Rows ``program_id(0) * BLOCK_T ..`` (of ``rows``)
+    may belong to different requests, whose keys differ: the tiles run once per request among them
+    (one, except at a request's boundary), each time for that request's rows alone."""
+    first_row = tl.program_id(0) * BLOCK_T
+    slots = tl.arange(0, BLOCK_T)
+    reqs = tl.zeros([BLOCK_T], tl.int32)
+    positions = tl.full([BLOCK_T], -1, tl.int32)  # -1: a row past ``rows`` or owned by no request
+    for slot in tl.static_range(BLOCK_T):
+        req, position = token_position(query_start_loc_ptr, seq_lens_ptr, first_token + first_row + slot, num_reqs)
+        in_pass = first_row + slot < rows
+        reqs = tl.where(slots == slot, req, reqs)
+        positions = tl.where(slots == slot, tl.where(in_pass, position, -1), positions)
+    first_req = tl.min(tl.where(positions >= 0, reqs, num_reqs), axis=0)
+    last_req = tl.max(tl.where(positions >= 0, reqs, -1), axis=0)
+
+    # Column c of the dot is head c % HEADS_P of row c // HEADS_P.
+    columns = tl.arange(0, BLOCK_T * HEADS_P)
+    column_row = columns // HEADS_P
+    column_head = columns % HEADS_P
+    dims = tl.arange(0, HEAD_DIM)
+    tokens64 = (first_token + first_row + column_row).to(tl.int64)
+    column_valid = (column_head < NUM_HEADS) & (first_row + column_row < rows)
+    q = tl.load(q_ptr + tokens64[:, None] * stride_qt + column_head[:, None] * stride_qh + dims[None, :],
+                mask=column_valid[:, None], other=0.0).to(cache_ptr.dtype.element_ty)  # [T * G, D]
+    w = tl.load(weights_ptr + tokens64 * stride_wt + column_head, mask=column_valid, other=0.0)  # [T * G] fp32
+    score_rows = scores_ptr + (first_row + slots).to(tl.int64) * stride_sr  # [T]
+    first_tile = tl.program_id(1) * TILES
+    for req_offset in range(0, last_req + 1 - first_req):
+        req = first_req + req_offset  # a tensor, also in the interpreter (a range yields ints)
+        in_req = (reqs == req) & (positions >= 0)  # [T]
+        last_position = tl.max(tl.where(in_req, positions, -1), axis=0)
+        end_tile = tl.minimum(first_tile + TILES, tl.cdiv(last_position + 1, BLOCK_N))
+        table_row = block_tables_ptr + req.to(tl.int64) * stride_bt
+        for key_tile in range(first_tile, end_tile):
+            keys = key_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            key_mask = keys <= last_position
+            pages = tl.load(table_row + keys // BLOCK_SIZE, mask=key_mask, other=0)
+            offsets = pages.to(tl.int64) * stride_c_block + (keys % BLOCK_SIZE) * stride_c_offset + KEY_COL  # [N]
+            k = tl.load(cache_ptr + offsets[:, None] + dims[None, :], mask=key_mask[:, None], other=0.0)  # [N, D]
+            logits = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # [N, T * G]
+            weighted = tl.reshape(tl.maximum(logits, 0.0) * w[None, :], [BLOCK_N, BLOCK_T, HEADS_P])
+            row_scores = tl.sum(weighted, axis=2)  # [N, T]
+            store_mask = in_req[None, :] & (keys[:, None] <= positions[None, :])
+            tl.store(score_rows[None, :] + keys[:, None], row_scores, mask=store_mask)
 
 
 @triton.jit

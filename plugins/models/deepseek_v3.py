@@ -22,12 +22,11 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from weir.config import ModelConfig
 from weir.layer_cache import ForwardContext
-from weir.layers import GatedMLP, LMHead, Linear, MergedLinear, RMSNorm, RotaryEmbedding, VocabEmbedding
+from weir.layers import Fp32Linear, GatedMLP, LMHead, Linear, MergedLinear, RMSNorm, RotaryEmbedding, VocabEmbedding
 from weir.layers.moe import PER_EXPERT_PATTERNS, FusedExperts
 from weir.layers.rotary import InterleavedRotaryEmbedding, rope_parameters_of
 from weir.mla import IndexerInputs, MLALayerSpec
@@ -179,19 +178,15 @@ class MLAAttention(nn.Module):
         return self.o_proj(attn_out.reshape(num_tokens, self.num_heads * self.v_head_dim))
 
 
-class Router(nn.Module):
+class Router(Fp32Linear):
     """``gate.weight [E, hidden]`` and ``gate.e_score_correction_bias [E]``, both kept float32;
-    the logits are an fp32 GEMM (``DeepseekV3TopkRouter``)."""
+    the logits are an fp32 GEMM (``DeepseekV3TopkRouter``), ``[num_tokens, E]``."""
 
     keep_fp32_params = ("weight", "e_score_correction_bias")
 
     def __init__(self, hidden_size: int, num_experts: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        super().__init__(hidden_size, num_experts)
         self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts))
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden_states.float(), self.weight)  # [num_tokens, E] fp32
 
 
 class DeepseekMoE(nn.Module):

@@ -23,20 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from weir.config import ModelConfig
-from weir.layers import Linear, RotaryEmbedding
+from weir.layers import Fp32Linear, Linear, RotaryEmbedding
 from weir.mla import IndexerInputs
 from weir.plugins.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MTP, mla_rotary
 
 INDEXER_NORM_EPS = 1e-6  # transformers' indexer k_norm: nn.LayerNorm(index_head_dim, eps=1e-6)
-
-
-class Fp32Linear(Linear):
-    """A linear layer kept float32 (``keep_fp32_params``) that computes in float32."""
-
-    keep_fp32_params = ("weight", "bias")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight, self.bias)  # [..., out_features] fp32
 
 
 class LayerNorm(nn.Module):
