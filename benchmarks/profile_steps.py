@@ -91,7 +91,8 @@ def profile_window(llm, batch: int, top: int, context: int = 399, num_steps: int
     for _ in range(10):
         engine.step()
     torch.cuda.synchronize()
-    print(f"steady decode at batch {batch} over {context}-token prompts: {(time.perf_counter() - start) * 100:.2f} ms/step")
+    step_ms = (time.perf_counter() - start) * 100
+    print(f"steady decode at batch {batch} over {context}-token prompts: {step_ms:.2f} ms/step")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(num_steps):
             engine.step()

@@ -278,8 +278,9 @@ def attention_kernels(device: str, dtype: torch.dtype) -> list[str]:
     return ["triton"] + (["wgmma"] if wgmma_supported(torch.device(device), dtype) else [])
 
 
-# Top-k kernel variants on rows of up to 63 keys: resident by radix, resident by counting, streamed.
-TOPK_VARIANTS = [(64, False), (64, True), (16, False)]
+# Top-k kernel variants on rows of up to 63 keys: every row resident (by radix passes, by counting),
+# and a 16-key block, past which rows stream while shorter ones stay resident (each way).
+TOPK_VARIANTS = [(64, False), (64, True), (16, False), (16, True)]
 
 
 # ---- the kernels against the oracle: interpreted on the CPU, compiled on CUDA -------------------
@@ -336,20 +337,66 @@ def check_sparse_batch_kinds(device: str) -> None:
         check_backend(mla_backend(torch.float32, device, 4, topk=topk), case)
 
 
+def indexer_score_cases(device: str) -> list[MLACase]:
+    """Every sparse batch kind, decode beside graph padding requests (seq_len 0 and 1), and a mixed
+    step padded as its graph runs it (tokens owned by no request)."""
+    layer = mla_layer(TINY, TINY_INDEXER)
+    cases = [make_mla_case(query_lens, seq_lens, layer, block_size=4, dtype=torch.float32, device=device)
+             for query_lens, seq_lens in SPARSE_BATCHES.values()]
+    cases.append(make_mla_case([1] * 5, [30, 0, 13, 50, 1], layer, block_size=4, dtype=torch.float32, device=device,
+                               padding_reqs=(1, 4)))
+    mixed = make_mla_case(*SPARSE_BATCHES["mixed"], layer, block_size=4, dtype=torch.float32, device=device,
+                          num_padding_tokens=5, max_blocks_per_req=12)
+    cases.append(padded_as_a_mixed_graph(mixed, num_padding_reqs=3, max_seq_len=48))
+    return cases
+
+
+def expected_score_rows(case: MLACase, first_token: int, rows: int, width: int) -> torch.Tensor:
+    """[rows, width] float64: the oracle's score where a row's token sees the key, NaN where the
+    kernel must write nothing (future keys, spare columns, tokens owned by no request), and +inf
+    for rows of graph padding requests, whose values nothing reads (not compared)."""
+    expected = torch.full((rows, width), float("nan"), dtype=torch.float64)
+    metadata = case.metadata
+    for req in range(metadata.num_reqs):
+        begin, end = (int(x) for x in metadata.query_start_loc[req: req + 2])
+        lo, hi = max(begin, first_token), min(end, first_token + rows)
+        if lo >= hi:
+            continue
+        if req in case.padding_reqs:
+            expected[lo - first_token: hi - first_token] = float("inf")
+            continue
+        scores = oracle_indexer_scores(case, req)[lo - begin: hi - begin]  # [hi - lo, seq_len], -inf: future
+        expected[lo - first_token: hi - first_token, : scores.shape[1]] = scores.masked_fill(scores == float("-inf"),
+                                                                                          float("nan"))
+    return expected
+
+
 def check_indexer_score_kernels(device: str) -> None:
-    """Both indexer kernels on every batch kind: one token a program (forced on prefills too)
-    and blocks of 2, 4 and 8 tokens (forced on decode too), whose blocks straddle requests,
-    cover several of them, or end past the pass's rows (a score buffer of 7 rows)."""
+    """Both indexer kernels, called alone into a NaN buffer with spare rows and columns: one token
+    a program (forced on prefills too), and blocks of 2, 4 and 8 tokens (forced on decode too)
+    whose blocks straddle requests, span several, hold graph padding and tokens owned by no
+    request, or end past the pass's rows. Every entry a token sees equals the oracle's score, and
+    nothing else is written: not a future key, a spare column, a row past the pass or a token
+    owned by no request."""
     from weir.plugins.attention.mla_triton import ScoreTiles
 
-    layer = mla_layer(TINY, TINY_INDEXER)
     one_token = (1 << 30, None)
     blocks = [(1, ScoreTiles(block_t, 16, 4, 2)) for block_t in (2, 4, 8)]
-    for (query_lens, seq_lens), scores in itertools.product(SPARSE_BATCHES.values(), [one_token] + blocks):
-        case = make_mla_case(query_lens, seq_lens, layer, block_size=4, dtype=torch.float32, device=device)
+    for case, scores in itertools.product(indexer_score_cases(device), [one_token] + blocks):
+        layer, metadata = case.layer, case.metadata
         backend = mla_backend(torch.float32, device, 4, scores=scores)
-        backend.score_buffer_bytes = 7 * 4 * case.metadata.max_seq_len
-        check_backend(backend, case)
+        kv_cache = case.kv_cache.clone()
+        backend.store(layer, case.kv_c, case.k_pe, case.indexer, kv_cache, metadata.slot_mapping[:metadata.num_tokens])
+        width = metadata.max_seq_len + 5
+        for first_token, rows in ((0, metadata.num_tokens), (2, 3)):
+            buffer = torch.full((rows + 2, width), float("nan"), device=device)
+            backend.indexer_scores(layer, case.indexer, kv_cache, metadata, buffer, first_token, rows)
+            written = buffer.double().cpu()
+            assert torch.isnan(written[rows:]).all(), "wrote a row past the pass"
+            expected = expected_score_rows(case, first_token, rows, width)
+            compared = ~torch.isinf(expected)
+            torch.testing.assert_close(written[:rows][compared], expected[compared], rtol=1e-5, atol=1e-6,
+                                       equal_nan=True, msg=lambda text: f"{scores}, pass from {first_token}: {text}")
 
 
 def check_sparse_decode_splits_and_padding(device: str) -> None:
@@ -584,8 +631,8 @@ def test_decode_splits_follow_the_batch_and_the_keys_read():
     decode_sparse = backend.plan(sparse, 1, 1, 16384)
     assert decode_sparse.sparse and decode_sparse.num_splits == 2048 // 256  # split the 2048 selected keys
     assert not backend.plan(sparse, 1, 1, 2048).sparse  # every key is selected: dense
-    assert backend.plan(sparse, 8, 4, TOPK_BLOCK).topk_resident
-    assert not backend.plan(sparse, 8, 4, TOPK_BLOCK + 1).topk_resident
+    assert backend.plan(sparse, 8, 4, TOPK_BLOCK).topk_all_fit
+    assert not backend.plan(sparse, 8, 4, TOPK_BLOCK + 1).topk_all_fit
 
 
 
@@ -601,7 +648,8 @@ def test_warmup_names_one_shape_per_variant():
         assert all(s >= q for query_lens, seq_lens in shapes for q, s in zip(query_lens, seq_lens))
     sparse_variants = {backend.plan(sparse, sum(q), max(q), max(s)).variant
                        for q, s in backend.warmup_shapes(sparse, 256, [256, 1], 32768)}
-    assert (True, 1, True) in sparse_variants and (True, 1, False) in sparse_variants  # resident and streamed rows
+    # every row resident; rows of both paths
+    assert (True, 1, True) in sparse_variants and (True, 1, False) in sparse_variants
     assert (False, 1, None) in sparse_variants  # short prefills run dense
 
 

@@ -271,9 +271,9 @@ SCORE_TILES = (ScoreTiles(2, 128, 4, 3), ScoreTiles(2, 128, 8, 3), ScoreTiles(4,
 
 def indexer_sweep(backend, block_size: int) -> None:
     """The indexer's scores and top-k, alone, on prefill steps (one score-buffer pass of rows at
-    the end of the prompt, where rows are longest) and on decode at B=32 as a graph runs it
-    (max_seq_len the long-context workload's max_model_len): each score kernel and tile set,
-    then each top-k search."""
+    the end of the prompt, where rows are longest): each score kernel and tile set, then each
+    top-k search; and on decode at B=32, eager and as a graph runs it (max_seq_len the
+    long-context workload's max_model_len, past the top-k's register block)."""
     layer = layer_spec(True)
     for query_len, seq_len in ((2048, 16384), (4096, 16000)):
         inputs = make_step(layer, [query_len], [seq_len], block_size)
@@ -300,16 +300,14 @@ def indexer_sweep(backend, block_size: int) -> None:
     inputs = make_step(layer, [1] * batch, [context] * batch, block_size)
     metadata, cache = inputs["metadata"], inputs["kv_cache"]
     topk = torch.empty((batch, TOPK), dtype=torch.int32, device="cuda")
-    for max_seq_len, block, warps in ((context, TOPK_BLOCK, 16), (graph_len, TOPK_BLOCK, 16), (graph_len, 32768, 16)):
+    for max_seq_len in (context, graph_len):  # every row in the top-k's register block; each row picks its path
         step = replace(metadata, max_seq_len=max_seq_len)
         scores = torch.empty((batch, max_seq_len), dtype=torch.float32, device="cuda")
-        backend.topk_block, backend.topk_warps = block, warps
         times = {"scores": graph_us(lambda: backend.indexer_scores(layer, inputs["indexer"], cache, step, scores,
                                                                   0, batch)),
                  "top-k": graph_us(lambda: backend.select_topk(layer, scores, topk, step, 0, batch))}
-        print(f"  decode B={batch} at {context} keys, max_seq_len {max_seq_len}, top-k block {block} warps {warps}: "
+        print(f"  decode B={batch} at {context} keys, max_seq_len {max_seq_len}: "
               + "  ".join(f"{name} {us:7.1f} us" for name, us in times.items()), flush=True)
-    backend.topk_block, backend.topk_warps = TOPK_BLOCK, TOPK_RESIDENT_WARPS
 
 
 def table(backend, block_size: int, quick: bool, with_torch: bool) -> None:

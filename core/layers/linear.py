@@ -50,7 +50,10 @@ class Fp32Linear(Linear):
     ``[hi; lo]`` accumulating and writing float32, its two halves summed, is the float32 product
     to about 2**-16 relative: at tensor-core speed, and without a float32 copy of ``x`` (the exact
     float32 GEMM, on CUDA cores, took most of these layers' time in a long prefill). Other inputs
-    (float32 reference runs, the CPU) take the exact float32 GEMM.
+    (float32 reference runs, the CPU, fp16 models) take the exact float32 GEMM. Both copies are
+    kept, as the layer cannot tell which its inputs will be: the halves add the fp32 weight's
+    size again (about 0.5 GiB over the full DeepSeek-V3.2's routers and indexers), which the
+    memory profile sees as used memory, not as weights.
     """
 
     keep_fp32_params = ("weight", "bias")

@@ -61,11 +61,13 @@ SPLIT_TARGET_WAVES = 2  # aim for this many programs per SM before splitting sto
 # (on an H200 at 16k keys: 46 us for 32 rows, against 72 us for radix passes streaming 8k blocks).
 TOPK_BLOCK = 16384
 TOPK_RESIDENT_WARPS = 16  # 32 registers of keys a thread; 8 warps took 53 us there
-# Key tiles one indexer-score program covers, loading the token's q once (1 and 4 timed the same
-# on an H200 at decode B=32 and 256; 4 launches a quarter of the programs).
+# Key tiles one indexer-score program covers, loading its tokens' q once (for the one-token kernel
+# 1 and 4 timed the same on an H200 at decode B=32 and 256; 4 launches a quarter of the programs).
 SCORE_TILES_PER_PROGRAM = 4
-# Steps with a query of at least this many tokens (prefill chunks) score a block of query tokens
-# per program, sharing each key tile among them (indexer_block_scores_kernel).
+# Steps with a query of at least this many tokens (prefill chunks, also spec-decode verify and mixed
+# steps) score a block of query tokens per program, sharing each key tile among them
+# (indexer_block_scores_kernel). A block of one-token requests costs one dot a request, as a
+# program of the one-token kernel does, but computes it for every row of the block.
 BLOCK_SCORES_MIN_QUERY_LEN = 2
 # The indexer's fp32 score rows are computed for this many bytes of query tokens at a time.
 SCORE_BUFFER_BYTES = 256 << 20
@@ -82,6 +84,7 @@ class ScoreTiles:
 
 
 def default_score_tiles(index_heads: int, dtype: torch.dtype) -> ScoreTiles:
+    """The block-of-tokens indexer kernel's tiles for ``index_heads`` heads in ``dtype``."""
     if dtype == torch.float32:  # exact fp32 dots: small tiles stay out of register spills
         return ScoreTiles(2, 64, 4, 2)
     # Two tokens of DeepSeek-V3.2's 64 heads: a [128 keys, 128] fp32 accumulator over 4 warps. On
@@ -135,13 +138,13 @@ class StepPlan:
 
     sparse: bool  # the indexer picks the keys (a sparse layer whose requests may exceed index_topk)
     num_splits: int
-    topk_resident: bool  # a score row fits in one top-k register block
+    topk_all_fit: bool  # every score row fits in one top-k register block (else each row picks its path)
 
     @property
     def variant(self) -> tuple:
         """The compiled kernel variants this plan launches (splits by power-of-two class)."""
         split_class = triton.next_power_of_2(self.num_splits) if self.num_splits > 1 else 1
-        return self.sparse, split_class, self.topk_resident if self.sparse else None
+        return self.sparse, split_class, self.topk_all_fit if self.sparse else None
 
 
 class TritonMLABackend(MLABackend):
@@ -169,7 +172,7 @@ class TritonMLABackend(MLABackend):
         self.topk_counting = True  # resident rows: bisect by counting (False: radix passes, as streamed rows)
         self.topk_warps = TOPK_RESIDENT_WARPS
         self.score_tiles_per_program = SCORE_TILES_PER_PROGRAM
-        # None: the block-of-tokens kernel for steps with a prefill, with default_score_tiles.
+        # The block-of-tokens indexer kernel's tiles; None: default_score_tiles.
         self.block_score_tiles: ScoreTiles | None = None
         self.block_scores_min_query_len = BLOCK_SCORES_MIN_QUERY_LEN
         self.score_buffer_bytes = SCORE_BUFFER_BYTES
@@ -210,7 +213,7 @@ class TritonMLABackend(MLABackend):
     def warmup_shapes(self, layer: MLALayerSpec, max_prefill_len: int, decode_batches: list[int],
                       decode_seq_len: int) -> list[tuple[list[int], list[int]]]:
         """One shape per kernel variant: prefill (no splits), each decode split class, and for
-        sparse layers a prefill past ``index_topk`` with its score row resident and streamed."""
+        sparse layers a prefill past ``index_topk`` with all score rows resident, and one with rows of both paths."""
         candidates = super().warmup_shapes(layer, max_prefill_len, decode_batches, decode_seq_len)
         if layer.index_topk:
             for seq_len in (min(layer.index_topk + 2, decode_seq_len), decode_seq_len):
@@ -299,7 +302,8 @@ class TritonMLABackend(MLABackend):
         heads_p = max(16, triton.next_power_of_2(layer.index_n_heads))
         if metadata.max_query_len >= self.block_scores_min_query_len:
             block = self.block_score_tiles or default_score_tiles(layer.index_n_heads, kv_cache.dtype)
-            indexer_block_scores_kernel[(triton.cdiv(rows, block.block_t), triton.cdiv(scores.shape[1], block.block_n * tiles))](
+            grid = (triton.cdiv(rows, block.block_t), triton.cdiv(scores.shape[1], block.block_n * tiles))
+            indexer_block_scores_kernel[grid](
                 indexer.q, indexer.weights, kv_cache, scores, metadata.block_tables, metadata.seq_lens,
                 metadata.query_start_loc, metadata.num_reqs, first_token, rows,
                 indexer.q.stride(0), indexer.q.stride(1), indexer.weights.stride(0), scores.stride(0),
@@ -325,12 +329,13 @@ class TritonMLABackend(MLABackend):
     def select_topk(self, layer: MLALayerSpec, scores: torch.Tensor, topk: torch.Tensor, metadata: AttentionMetadata,
                     first_token: int, rows: int) -> None:
         """Top-k lists of tokens ``first_token ..`` from their score rows."""
-        resident = metadata.max_seq_len <= self.topk_block
+        all_fit = metadata.max_seq_len <= self.topk_block
         topk_kernel[(rows,)](
             scores, topk, metadata.seq_lens, metadata.query_start_loc,
             metadata.num_reqs, first_token, layer.index_topk, scores.stride(0), topk.stride(0),
-            BLOCK_S=self.topk_block, SINGLE=resident, COUNTING=self.topk_counting,
-            num_warps=self.topk_warps if resident else 8,  # streamed radix passes ran slower with 16
+            BLOCK_S=self.topk_block, ALL_FIT=all_fit, COUNTING=self.topk_counting,
+            # Streamed radix passes ran slower with 16 warps; resident rows take 53 us with 8, 46 with 16.
+            num_warps=self.topk_warps if all_fit else 8,
         )
 
     def layer_kernel(self, layer: MLALayerSpec) -> str:

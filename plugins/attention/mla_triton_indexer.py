@@ -83,14 +83,14 @@ def indexer_block_scores_kernel(
     may belong to different requests, whose keys differ: the tiles run once per request among them
     (one, except at a request's boundary), each time for that request's rows alone."""
     first_row = tl.program_id(0) * BLOCK_T
-    slots = tl.arange(0, BLOCK_T)
+    block_rows = tl.arange(0, BLOCK_T)
     reqs = tl.zeros([BLOCK_T], tl.int32)
     positions = tl.full([BLOCK_T], -1, tl.int32)  # -1: a row past ``rows`` or owned by no request
-    for slot in tl.static_range(BLOCK_T):
-        req, position = token_position(query_start_loc_ptr, seq_lens_ptr, first_token + first_row + slot, num_reqs)
-        in_pass = first_row + slot < rows
-        reqs = tl.where(slots == slot, req, reqs)
-        positions = tl.where(slots == slot, tl.where(in_pass, position, -1), positions)
+    for block_row in tl.static_range(BLOCK_T):
+        req, position = token_position(query_start_loc_ptr, seq_lens_ptr, first_token + first_row + block_row, num_reqs)
+        in_pass = first_row + block_row < rows
+        reqs = tl.where(block_rows == block_row, req, reqs)
+        positions = tl.where(block_rows == block_row, tl.where(in_pass, position, -1), positions)
     first_req = tl.min(tl.where(positions >= 0, reqs, num_reqs), axis=0)
     last_req = tl.max(tl.where(positions >= 0, reqs, -1), axis=0)
 
@@ -104,7 +104,7 @@ def indexer_block_scores_kernel(
     q = tl.load(q_ptr + tokens64[:, None] * stride_qt + column_head[:, None] * stride_qh + dims[None, :],
                 mask=column_valid[:, None], other=0.0).to(cache_ptr.dtype.element_ty)  # [T * G, D]
     w = tl.load(weights_ptr + tokens64 * stride_wt + column_head, mask=column_valid, other=0.0)  # [T * G] fp32
-    score_rows = scores_ptr + (first_row + slots).to(tl.int64) * stride_sr  # [T]
+    score_rows = scores_ptr + (first_row + block_rows).to(tl.int64) * stride_sr  # [T]
     first_tile = tl.program_id(1) * TILES
     for req_offset in range(0, last_req + 1 - first_req):
         req = first_req + req_offset  # a tensor, also in the interpreter (a range yields ints)
@@ -207,16 +207,45 @@ def kth_largest_by_counting(keys, valid, topk):
     return threshold, topk - tl.sum((valid & (keys > threshold)).to(tl.int32), axis=0)
 
 
+@triton.jit
+def topk_of_resident_row(scores_row, out_row, num_keys, topk, BLOCK_S: tl.constexpr, COUNTING: tl.constexpr):
+    """A row of at most ``BLOCK_S`` keys, held in registers through every pass."""
+    offsets = tl.arange(0, BLOCK_S)
+    valid = offsets < num_keys
+    keys = sortable_key(tl.load(scores_row + offsets, mask=valid, other=0.0))  # [BLOCK_S]
+    if COUNTING:
+        threshold, wanted = kth_largest_by_counting(keys, valid, topk)
+    else:
+        threshold, wanted = kth_largest_by_radix(scores_row, num_keys, keys, topk, BLOCK_S, True)
+    keep_block(out_row, offsets, keys, valid, threshold, wanted, tl.zeros([], tl.int32), tl.zeros([], tl.int32))
+
+
+@triton.jit
+def topk_of_streamed_row(scores_row, out_row, num_keys, topk, BLOCK_S: tl.constexpr):
+    """A longer row, streamed in ``BLOCK_S`` blocks by every pass (from L2: it was just written)."""
+    threshold, wanted = kth_largest_by_radix(scores_row, num_keys, tl.zeros([BLOCK_S], tl.int32), topk, BLOCK_S,
+                                             False)
+    kept = tl.zeros([], tl.int32)
+    equal_seen = tl.zeros([], tl.int32)
+    offsets = tl.arange(0, BLOCK_S)
+    for start in range(0, num_keys, BLOCK_S):
+        valid = start + offsets < num_keys
+        keys = sortable_key(tl.load(scores_row + start + offsets, mask=valid, other=0.0))
+        kept, equal_seen = keep_block(out_row, start + offsets, keys, valid, threshold, wanted, kept, equal_seen)
+
+
 @triton.jit(do_not_specialize=["num_reqs", "first_token", "topk"])
 def topk_kernel(
     scores_ptr, topk_ptr, seq_lens_ptr, query_start_loc_ptr,
     num_reqs, first_token, topk, stride_sr, stride_kt,
-    BLOCK_S: tl.constexpr, SINGLE: tl.constexpr, COUNTING: tl.constexpr,
+    BLOCK_S: tl.constexpr, ALL_FIT: tl.constexpr, COUNTING: tl.constexpr,
 ):
     """Row ``program_id(0)``'s top-``topk`` key positions into ``topk[first_token + row]``.
 
-    ``SINGLE``: the row fits in one ``BLOCK_S`` block, kept in registers for every pass;
-    otherwise each pass streams the row (from L2: it was just written) in blocks. ``COUNTING``
+    A row that fits in one ``BLOCK_S`` block stays in registers for every pass; a longer one is
+    streamed in blocks. ``ALL_FIT``: every row of the step fits (the step's longest sequence
+    does), so only the resident path is compiled; otherwise each row takes its own path, as a
+    CUDA graph's step must, whose longest sequence is baked at the graph's bound. ``COUNTING``
     (resident rows only): bisect the threshold with 32 counts instead of 4 histograms.
     """
     row = tl.program_id(0)
@@ -231,26 +260,12 @@ def topk_kernel(
         return
 
     scores_row = scores_ptr + row.to(tl.int64) * stride_sr
-    resident = tl.zeros([BLOCK_S], tl.int32)
-    if SINGLE:
-        offsets = tl.arange(0, BLOCK_S)
-        resident = sortable_key(tl.load(scores_row + offsets, mask=offsets < num_keys, other=0.0))
-    if SINGLE and COUNTING:
-        threshold, wanted = kth_largest_by_counting(resident, tl.arange(0, BLOCK_S) < num_keys, topk)
+    if ALL_FIT:
+        topk_of_resident_row(scores_row, out_row, num_keys, topk, BLOCK_S, COUNTING)
+    elif num_keys <= BLOCK_S:
+        topk_of_resident_row(scores_row, out_row, num_keys, topk, BLOCK_S, COUNTING)
     else:
-        threshold, wanted = kth_largest_by_radix(scores_row, num_keys, resident, topk, BLOCK_S, SINGLE)
-
-    kept = tl.zeros([], tl.int32)
-    equal_seen = tl.zeros([], tl.int32)
-    offsets = tl.arange(0, BLOCK_S)
-    if SINGLE:
-        keep_block(out_row, offsets, resident, offsets < num_keys, threshold, wanted, kept, equal_seen)
-    else:
-        for start in range(0, num_keys, BLOCK_S):
-            valid = start + offsets < num_keys
-            keys = sortable_key(tl.load(scores_row + start + offsets, mask=valid, other=0.0))
-            kept, equal_seen = keep_block(out_row, start + offsets, keys, valid, threshold, wanted, kept,
-                                          equal_seen)
+        topk_of_streamed_row(scores_row, out_row, num_keys, topk, BLOCK_S)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "topk", "stride_bt"])

@@ -180,9 +180,11 @@ class MLAAttention(nn.Module):
 
 class Router(Fp32Linear):
     """``gate.weight [E, hidden]`` and ``gate.e_score_correction_bias [E]``, both kept float32;
-    the logits are an fp32 GEMM (``DeepseekV3TopkRouter``), ``[num_tokens, E]``."""
+    the logits ``[num_tokens, E]`` are fp32 as in ``DeepseekV3TopkRouter`` (for bf16 inputs on
+    CUDA from the weight's bf16 halves, to about 2**-16: experts that nearly tie may then be
+    chosen otherwise than by transformers' fp32 GEMM)."""
 
-    keep_fp32_params = ("weight", "e_score_correction_bias")
+    keep_fp32_params = Fp32Linear.keep_fp32_params + ("e_score_correction_bias",)
 
     def __init__(self, hidden_size: int, num_experts: int):
         super().__init__(hidden_size, num_experts)
