@@ -155,6 +155,14 @@ class RotaryEmbedding(nn.Module):
         cos, sin = cos_sin.chunk(2, dim=-1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
+    def rotate_in_place(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        """``forward``'s rotation written into ``q`` and ``k``, which may be views (the rope part of
+        wider heads, so the caller keeps its whole heads and concatenates nothing). The Triton
+        kernel rotates in place already; the torch code's result is copied back."""
+        for x, rotated in zip((q, k), self.forward(positions, q, k)):
+            if rotated is not x:
+                x.copy_(rotated)
+
     def _norms_fit(self, q: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module) -> bool:
         # The fused kernel knows exactly these two norm classes (not subclasses: they may
         # override the maths); it normalises over the whole head and writes into q's dtype.

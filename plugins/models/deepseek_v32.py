@@ -66,11 +66,9 @@ class LightningIndexer(nn.Module):
         num_tokens = hidden_states.shape[0]
         q = self.wq_b(q_latent).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_norm(self.wk(hidden_states)).unsqueeze(1)  # [num_tokens, 1, head_dim]
-        q_rope, k_rope = self.rotary_emb(positions, q[..., : self.rope_dim], k[..., : self.rope_dim])
-        q = torch.cat([q_rope, q[..., self.rope_dim:]], dim=-1)  # [num_tokens, heads, head_dim]
-        k = torch.cat([k_rope, k[..., self.rope_dim:]], dim=-1).squeeze(1)  # [num_tokens, head_dim]
+        self.rotary_emb.rotate_in_place(positions, q[..., : self.rope_dim], k[..., : self.rope_dim])
         weights = self.weights_proj(hidden_states) * self.weights_scale  # [num_tokens, heads] fp32
-        return IndexerInputs(q=q, k=k, weights=weights)
+        return IndexerInputs(q=q, k=k.squeeze(1), weights=weights)  # q [T, heads, head_dim], k [T, head_dim]
 
 
 class DeepseekV32MTP(DeepseekV3MTP):
