@@ -50,8 +50,8 @@ class Fp32Linear(Linear):
     ``[hi; lo]`` accumulating and writing float32, its two halves summed, is the float32 product
     to about 2**-16 relative: at tensor-core speed, and without a float32 copy of ``x`` (the exact
     float32 GEMM, on CUDA cores, took most of these layers' time in a long prefill). Other inputs
-    (float32 reference runs, the CPU, fp16 models) take the exact float32 GEMM. Both copies are
-    kept, as the layer cannot tell which its inputs will be: the halves add the fp32 weight's
+    (float32 reference runs, the CPU, ROCm, fp16 models) take the exact float32 GEMM. Both copies
+    are kept, as the layer cannot tell which its inputs will be: the halves add the fp32 weight's
     size again (about 0.5 GiB over the full DeepSeek-V3.2's routers and indexers), which the
     memory profile sees as used memory, not as weights.
     """
@@ -63,7 +63,8 @@ class Fp32Linear(Linear):
         self.split_weight: torch.Tensor | None = None  # [2 * out_features, in_features] bf16: hi, then lo
 
     def process_weights_after_loading(self) -> None:
-        if self.weight.is_cuda:
+        # CUDA builds only: the 16-bit GEMM writing float32 (mm's out_dtype) is unchecked on ROCm.
+        if self.weight.is_cuda and torch.version.hip is None:
             hi = self.weight.to(torch.bfloat16)
             self.split_weight = torch.cat([hi, (self.weight - hi.float()).to(torch.bfloat16)])
 
