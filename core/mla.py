@@ -17,7 +17,9 @@ over the 576-dim latent key, usual for decode); the two agree up to rounding.
 The indexer (sparse layers): ``score(t, j) = sum_g w(t, g) * relu(q_idx_g(t) . k_idx_j)`` over
 the ``index_n_heads`` heads g (``w`` fp32, every scale folded in by the model), causal; query t
 attends to the ``index_topk`` keys of highest score among its causal prefix (all of them when the
-prefix is shorter). Ties at the boundary may go either way.
+prefix is shorter). Ties at the boundary may go either way. A sparse layer may also have no
+indexer and attend to the keys the forward's last layer with one picked (GLM-5's "shared"
+layers, ``MLALayerSpec.shares_topk``; ``SelectedKeys`` carries the pick between them).
 """
 
 from __future__ import annotations
@@ -50,9 +52,17 @@ class MLALayerSpec(PagedCacheSpec):
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0
+    # A sparse layer with no indexer (nor indexer cache) of its own, which attends to the keys the
+    # forward's last sparse layer with one picked (GLM-5's "shared" layers): index_topk only.
+    shares_topk: bool = False
 
     def __post_init__(self):
-        if self.index_topk < 0 or (self.index_topk > 0) != (self.index_head_dim > 0 and self.index_n_heads > 0):
+        if self.shares_topk:
+            if self.index_topk <= 0 or self.index_head_dim or self.index_n_heads:
+                raise ValueError(f"layer {self.layer_idx}: a layer sharing another's top-k needs index_topk "
+                                 f"positive and no indexer (index_head_dim and index_n_heads 0), got "
+                                 f"{self.index_topk}, {self.index_head_dim}, {self.index_n_heads}")
+        elif self.index_topk < 0 or (self.index_topk > 0) != (self.index_head_dim > 0 and self.index_n_heads > 0):
             raise ValueError(f"layer {self.layer_idx}: a sparse MLA layer needs index_topk, index_head_dim and "
                              f"index_n_heads all positive (a dense one all 0), got {self.index_topk}, "
                              f"{self.index_head_dim}, {self.index_n_heads}")
@@ -68,7 +78,8 @@ class MLALayerSpec(PagedCacheSpec):
 
     @property
     def cache_dim(self) -> int:
-        """Cache columns per token: latent, rope key, then the indexer key of sparse layers."""
+        """Cache columns per token: latent, rope key, then the indexer key of sparse layers (with
+        an indexer of their own)."""
         return self.latent_dim + self.index_head_dim
 
 
@@ -79,6 +90,16 @@ class IndexerInputs:
     q: torch.Tensor  # [num_tokens, index_n_heads, index_head_dim], rope applied
     k: torch.Tensor  # [num_tokens, index_head_dim], normalised, rope applied; stored in the cache
     weights: torch.Tensor  # [num_tokens, index_n_heads] fp32, every scale folded in
+
+
+@dataclass
+class SelectedKeys:
+    """The keys the last sparse layer with an indexer picked in one forward, for the layers after
+    it that share them (``MLALayerSpec.shares_topk``). A model makes one per forward and hands it
+    to every sparse layer; ``keys`` is in the form of the backend serving them (one backend
+    serves every layer of a kind), None until such a layer attended sparsely."""
+
+    keys: object = None
 
 
 class MLABackend(AttentionBackend):
@@ -107,18 +128,26 @@ class MLABackend(AttentionBackend):
         metadata: AttentionMetadata,
         w_uk: torch.Tensor,  # [num_heads, qk_nope_head_dim, kv_lora_rank]
         w_uv: torch.Tensor,  # [num_heads, v_head_dim, kv_lora_rank]
-        indexer: IndexerInputs | None = None,  # sparse layers only
+        indexer: IndexerInputs | None = None,  # sparse layers with an indexer of their own
+        selected: SelectedKeys | None = None,  # sparse layers: this forward's shared pick
     ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
-        """Store this step's cache rows, then attend (sparsely when ``indexer`` is given)."""
+        """Store this step's cache rows, then attend: sparse layers to the keys ``indexer`` picks
+        (and leave them in ``selected``, when given), layers that share a top-k to the keys in
+        ``selected``."""
 
 
 def check_forward_inputs(layer: MLALayerSpec, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
                          k_pe: torch.Tensor, kv_cache: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
-                         indexer: IndexerInputs | None, block_size: int | None = None) -> dict[str, torch.Tensor]:
+                         indexer: IndexerInputs | None, block_size: int | None = None,
+                         selected: SelectedKeys | None = None) -> dict[str, torch.Tensor]:
     """Raise ``ValueError`` naming the first argument whose shape breaks the contract of
     ``MLABackend.forward`` (shapes only: nothing is read from the device); ``block_size``, when
     given, is the cache's too. Returns the inputs by name, for a backend's own checks (strides)."""
-    if layer.kind == SPARSE_MLA and indexer is None:
+    if layer.shares_topk:
+        if indexer is not None or selected is None:
+            raise ValueError(f"MLA layer {layer.layer_idx} shares another layer's top-k: forward takes no indexer "
+                             f"inputs and needs the forward's SelectedKeys")
+    elif layer.kind == SPARSE_MLA and indexer is None:
         raise ValueError(f"MLA layer {layer.layer_idx} is sparse (index_topk={layer.index_topk}) but forward "
                          f"got no indexer inputs")
     if layer.kind == MLA and indexer is not None:

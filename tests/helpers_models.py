@@ -222,7 +222,7 @@ def make_tiny_deepseek_v32(path: Path, *, seed: int = 0, with_tokenizer: bool = 
 
 def make_tiny_glm_moe_dsa(path: Path, *, seed: int = 0, with_tokenizer: bool = False, **overrides: Any) -> Path:
     """GLM-MoE-DSA (GLM-5): the DeepSeek-V3.2 layers of ``make_tiny_deepseek_v32`` with interleaved
-    indexer RoPE, every layer running its own indexer."""
+    indexer RoPE, every layer running its own indexer unless ``indexer_types`` names "shared" ones."""
     from transformers import GlmMoeDsaConfig
 
     options = {**_COMMON, **_DEEPSEEK, **_DSA, "architectures": ["GlmMoeDsaForCausalLM"], **overrides}

@@ -7,7 +7,8 @@ cache), prefix-cache hits and preemption.
 The tiny checkpoints (tests/helpers_models.py): V3 with q LoRA, grouped routing with a non-zero
 correction bias, a dense first layer and YaRN; V3 without q LoRA (``q_proj``), with attention
 biases, two shared experts and rotate_half RoPE; V3.2 and GLM-5 with ``index_topk=8``, far below
-the prompts, so queries attend to 8 of up to 100 keys."""
+the prompts, so queries attend to 8 of up to 100 keys; GLM-5 also with "shared" layers, which
+attend to the keys the last "full" layer before them picked."""
 
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ MAKERS = {
                                                              attention_bias=True, rope_interleave=False, **kw),
     "v32": make_tiny_deepseek_v32,
     "glm_moe_dsa": make_tiny_glm_moe_dsa,
+    # Layers 1, 3 and 4 reuse the top-k of the last "full" layer before them (0, 2 and 2).
+    "glm_moe_dsa_shared": lambda path, **kw: make_tiny_glm_moe_dsa(
+        path, num_hidden_layers=5, indexer_types=["full", "shared", "full", "shared", "shared"], **kw),
 }
 
 
@@ -90,7 +94,7 @@ def test_matches_transformers(name, scenario, async_scheduling, absorbed, tmp_pa
     llm = LLM(str(path), device="cpu", dtype="float32", async_scheduling=async_scheduling, **options)
     backends = llm.engine.runner.caches.backends
     assert [backend.name for backend in backends.values()] == ["mla_torch"]
-    assert next(iter(backends)) == ("sparse_mla" if name in ("v32", "glm_moe_dsa") else "mla")
+    assert next(iter(backends)) == ("sparse_mla" if name in ("v32", "glm_moe_dsa", "glm_moe_dsa_shared") else "mla")
     watch = watch_engine(llm)
     prompts = make_prompts()
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)

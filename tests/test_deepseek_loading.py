@@ -133,8 +133,11 @@ def test_unserved_configs_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="DeepseekV32ForCausalLM needs q_lora_rank"):
         LLM(str(v32), device="cpu", dtype="float32")
     glm = make_tiny_glm_moe_dsa(tmp_path / "glm", with_tokenizer=True)
-    edit_config(glm, indexer_types=["full", "shared", "full"])
-    with pytest.raises(ValueError, match=r"layers \[1\] reuse another layer's top-k"):
+    edit_config(glm, indexer_types=["shared", "full", "full"])
+    with pytest.raises(ValueError, match=r"layer 0 is 'shared' in indexer_types, but a shared layer reuses"):
+        LLM(str(glm), device="cpu", dtype="float32")
+    edit_config(glm, indexer_types=["full", "sparse", "full"])
+    with pytest.raises(ValueError, match=r"indexer_types must name 'full' or 'shared' for each of the 3 layers"):
         LLM(str(glm), device="cpu", dtype="float32")
 
 

@@ -38,8 +38,13 @@ MAKERS = {
         rope_interleave=False),
     "v32": lambda path: make_tiny_deepseek_v32(path, with_tokenizer=True, **SHAPES, **DSA),
     "glm_moe_dsa": lambda path: make_tiny_glm_moe_dsa(path, with_tokenizer=True, **SHAPES, **DSA),
+    # Layers 1, 3 and 4 attend to the slot lists the last "full" layer before them picked.
+    "glm_moe_dsa_shared": lambda path: make_tiny_glm_moe_dsa(
+        path, with_tokenizer=True, **SHAPES, **DSA, num_hidden_layers=5,
+        indexer_types=["full", "shared", "full", "shared", "shared"]),
 }
-LAYER_KIND = {"v3": "mla", "v3_no_q_lora": "mla", "v32": "sparse_mla", "glm_moe_dsa": "sparse_mla"}
+LAYER_KIND = {"v3": "mla", "v3_no_q_lora": "mla", "v32": "sparse_mla", "glm_moe_dsa": "sparse_mla",
+              "glm_moe_dsa_shared": "sparse_mla"}
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +73,9 @@ def free_cuda_memory() -> None:
     torch.cuda.empty_cache()
 
 
-# GLM-5 shares V3.2's layers but for the indexer's RoPE: one graphs run is enough.
-PARITY_CASES = {"v3": (True, False), "v3_no_q_lora": (True, False), "v32": (True, False), "glm_moe_dsa": (False,)}
+# GLM-5 shares V3.2's layers but for the indexer's RoPE and its shared layers: one graphs run each.
+PARITY_CASES = {"v3": (True, False), "v3_no_q_lora": (True, False), "v32": (True, False), "glm_moe_dsa": (False,),
+                "glm_moe_dsa_shared": (False,)}
 
 
 @pytest.mark.parametrize("name", list(PARITY_CASES))
@@ -99,7 +105,7 @@ def test_bf16_parity_through_triton_mla(checkpoints, name):
         free_cuda_memory()
 
 
-@pytest.mark.parametrize("name", ["v3", "v32"])
+@pytest.mark.parametrize("name", ["v3", "v32", "glm_moe_dsa_shared"])
 def test_fp32_follows_transformers_fp32_with_mixed_step_graphs(checkpoints, name):
     """In fp32 (exact dots in the MLA, DSA and MoE kernels) Weir parts from transformers fp32 only
     at near-exact ties, with CUDA graphs (the chunked prompts' mixed steps replayed: MLA, the

@@ -399,6 +399,37 @@ def check_indexer_score_kernels(device: str) -> None:
                                        equal_nan=True, msg=lambda text: f"{scores}, pass from {first_token}: {text}")
 
 
+def check_layers_sharing_a_topk(device: str) -> None:
+    """A sparse layer with no indexer of its own (GLM-5's "shared" layers; its cache has no indexer
+    columns) attends to the slot lists the last layer with one left in the forward's
+    SelectedKeys: its output is the oracle's over that layer's picks. It refuses to run before
+    any layer picked."""
+    from weir.mla import SelectedKeys
+
+    layer = mla_layer(TINY, TINY_INDEXER)
+    sharing = replace(layer, layer_idx=1, index_n_heads=0, index_head_dim=0, shares_topk=True)
+    assert sharing.cache_dim == layer.latent_dim
+    for query_lens, seq_lens in (SPARSE_BATCHES["mixed"], SPARSE_BATCHES["decode"]):
+        case = make_mla_case(query_lens, seq_lens, layer, block_size=4, dtype=torch.float32, device=device)
+        backend = mla_backend(torch.float32, device, 4)
+        kv_cache = case.kv_cache.clone()
+        selected = SelectedKeys()
+        backend.forward(*case.args(kv_cache), indexer=case.indexer, selected=selected)
+        assert selected.keys is not None
+        picked = backend.indexer_topk(layer, case.indexer, kv_cache, case.metadata)  # positions, for the oracle
+        shared = replace(case, layer=sharing, kv_cache=case.kv_cache[..., :layer.latent_dim].contiguous(),
+                         indexer=None)
+        out = backend.forward(*shared.args(shared.kv_cache.clone()), selected=selected)
+        for req, expected in oracle_mla(shared, picked).items():
+            begin, end = (int(x) for x in case.metadata.query_start_loc[req: req + 2])
+            error = relative_error(out[begin:end].double().cpu(), expected)
+            assert error < TOLERANCE[torch.float32], f"request {req}: relative error {error:.2e}"
+        with pytest.raises(RuntimeError, match="no sparse layer with an indexer ran before it"):
+            backend.forward(*shared.args(shared.kv_cache.clone()), selected=SelectedKeys())
+        with pytest.raises(ValueError, match="shares another layer's top-k"):
+            backend.forward(*shared.args(shared.kv_cache.clone()))
+
+
 def check_sparse_decode_splits_and_padding(device: str) -> None:
     layer = mla_layer(TINY, dict(TINY_INDEXER, index_topk=12))
     query_lens, seq_lens = [1] * 5, [30, 0, 13, 50, 1]
@@ -471,8 +502,9 @@ def check_tokens_owned_by_no_request(device: str) -> None:
 
 
 CHECKS = [check_dense_batch_kinds, check_decode_split_k_and_padding_requests, check_heads_past_one_block,
-          check_sparse_batch_kinds, check_indexer_score_kernels, check_sparse_decode_splits_and_padding,
-          check_sparse_ties_and_short_sequences, check_sixteen_bit, check_tokens_owned_by_no_request]
+          check_sparse_batch_kinds, check_indexer_score_kernels, check_layers_sharing_a_topk,
+          check_sparse_decode_splits_and_padding, check_sparse_ties_and_short_sequences, check_sixteen_bit,
+          check_tokens_owned_by_no_request]
 
 test_kernels_interpreted_on_cpu, test_kernels_on_cuda = kernel_check_tests("test_mla_triton", CHECKS)
 

@@ -6,7 +6,8 @@ favours obvious correctness: this step's cache rows are stored first; then every
 are gathered from its blocks into a padded ``[num_reqs, max_seq_len]`` view (masked positions
 zeroed before any arithmetic: a slot outside a request may hold anything) and attended in fp32
 with an explicit mask. Sparse layers score every causal key of the request with the indexer,
-keep the ``index_topk`` best per query (all of them when fewer) and mask out the rest.
+keep the ``index_topk`` best per query (all of them when fewer) and mask out the rest; layers
+that share a top-k apply the mask the forward's last such layer left.
 
 Both forms of the attention are here: expanded (per-head keys ``W_UK c`` and values ``W_UV c``,
 as transformers computes it) and absorbed (``W_UK^T q_nope`` first, MQA over the latent, ``W_UV``
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from weir.attention import AttentionMetadata
-from weir.mla import MLA, SPARSE_MLA, IndexerInputs, MLABackend, MLALayerSpec, check_forward_inputs
+from weir.mla import MLA, SPARSE_MLA, IndexerInputs, MLABackend, MLALayerSpec, SelectedKeys, check_forward_inputs
 
 
 def store_mla_rows(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
@@ -127,8 +128,9 @@ class TorchMLABackend(MLABackend):
         w_uk: torch.Tensor,  # [num_heads, qk_nope_head_dim, kv_lora_rank]
         w_uv: torch.Tensor,  # [num_heads, v_head_dim, kv_lora_rank]
         indexer: IndexerInputs | None = None,
+        selected: SelectedKeys | None = None,  # keys: the [R, Q, S] mask of keys each query keeps
     ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
-        check_forward_inputs(layer, q_nope, q_pe, kv_c, k_pe, kv_cache, w_uk, w_uv, indexer)
+        check_forward_inputs(layer, q_nope, q_pe, kv_c, k_pe, kv_cache, w_uk, w_uv, indexer, selected=selected)
         num_tokens = metadata.num_tokens
         store_mla_rows(kv_cache, metadata.slot_mapping[:num_tokens], kv_c[:num_tokens], k_pe[:num_tokens],
                        None if indexer is None else indexer.k[:num_tokens])
@@ -136,8 +138,15 @@ class TorchMLABackend(MLABackend):
         latent = step.rows[..., : layer.kv_lora_rank]  # [R, S, C]
         rope_keys = step.rows[..., layer.kv_lora_rank: layer.latent_dim]  # [R, S, P]
         visible = step.causal
-        if indexer is not None:
+        if layer.shares_topk:
+            visible = selected.keys
+            if visible is None:
+                raise RuntimeError(f"MLA layer {layer.layer_idx} shares the top-k of an earlier layer, but no "
+                                   f"sparse layer with an indexer ran before it in this forward")
+        elif indexer is not None:
             visible = indexer_keep_mask(indexer, step.rows[..., layer.latent_dim:], step, layer.index_topk)
+            if selected is not None:
+                selected.keys = visible
 
         queries_nope = q_nope.float()[step.token_of]  # [R, Q, H, N]
         queries_pe = q_pe.float()[step.token_of]  # [R, Q, H, P]

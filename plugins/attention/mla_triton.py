@@ -42,7 +42,7 @@ import torch
 import triton
 
 from weir.attention import AttentionMetadata
-from weir.mla import MLA, SPARSE_MLA, IndexerInputs, MLABackend, MLALayerSpec, check_forward_inputs
+from weir.mla import MLA, SPARSE_MLA, IndexerInputs, MLABackend, MLALayerSpec, SelectedKeys, check_forward_inputs
 from weir.plugins.attention.mla_triton_indexer import (indexer_block_scores_kernel, indexer_scores_kernel, topk_kernel,
                                                        topk_slots_kernel)
 from weir.plugins.attention.mla_triton_kernels import mla_attention_kernel, mla_reduce_kernel, store_latent_kernel
@@ -237,8 +237,9 @@ class TritonMLABackend(MLABackend):
         w_uk: torch.Tensor,  # [num_heads, qk_nope_head_dim, kv_lora_rank]
         w_uv: torch.Tensor,  # [num_heads, v_head_dim, kv_lora_rank]
         indexer: IndexerInputs | None = None,
+        selected: SelectedKeys | None = None,  # keys: topk_slots' [num_tokens, index_topk] slot lists
     ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
-        check_inputs(layer, q_nope, q_pe, kv_c, k_pe, kv_cache, w_uk, w_uv, indexer, self.block_size)
+        check_inputs(layer, q_nope, q_pe, kv_c, k_pe, kv_cache, w_uk, w_uv, indexer, self.block_size, selected)
         num_tokens = metadata.num_tokens
         out = torch.empty((q_nope.shape[0], layer.num_heads, layer.v_head_dim), dtype=q_nope.dtype,
                           device=q_nope.device)
@@ -248,7 +249,7 @@ class TritonMLABackend(MLABackend):
             return out
         self.store(layer, kv_c, k_pe, indexer, kv_cache, metadata.slot_mapping[:num_tokens])
         plan = self.plan(layer, num_tokens, metadata.max_query_len, metadata.max_seq_len)
-        topk_slots = self.topk_slots(layer, indexer, kv_cache, metadata) if plan.sparse else None
+        topk_slots = self.selected_slots(layer, indexer, kv_cache, metadata, selected) if plan.sparse else None
         q_lat = torch.bmm(q_nope[:num_tokens].transpose(0, 1), w_uk)  # [H, T, kv_lora_rank]
         o_lat = torch.empty_like(q_lat)  # [H, T, kv_lora_rank]
         self.attend(layer, q_lat, q_pe, kv_cache, metadata, o_lat, plan, topk_slots)
@@ -293,6 +294,21 @@ class TritonMLABackend(MLABackend):
             BLOCK_SIZE=kv_cache.shape[1], BLOCK_K=min(1024, triton.next_power_of_2(layer.index_topk)), num_warps=4,
         )
         return topk
+
+    def selected_slots(self, layer: MLALayerSpec, indexer: IndexerInputs | None, kv_cache: torch.Tensor,
+                       metadata: AttentionMetadata, selected: SelectedKeys | None) -> torch.Tensor:
+        """The slot lists a sparse step of ``layer`` attends to: its own (left in ``selected``),
+        or, for a layer sharing a top-k, those in ``selected``. Every layer of the kind shares
+        one block table per request (one cache group), so a slot list holds for all of them."""
+        if layer.shares_topk:
+            if selected.keys is None:
+                raise RuntimeError(f"MLA layer {layer.layer_idx} shares the top-k of an earlier layer, but no "
+                                   f"sparse layer with an indexer ran before it in this forward")
+            return selected.keys
+        slots = self.topk_slots(layer, indexer, kv_cache, metadata)
+        if selected is not None:
+            selected.keys = slots
+        return slots
 
     def indexer_scores(self, layer: MLALayerSpec, indexer: IndexerInputs, kv_cache: torch.Tensor,
                        metadata: AttentionMetadata, scores: torch.Tensor, first_token: int, rows: int) -> None:
@@ -401,7 +417,7 @@ class TritonMLABackend(MLABackend):
 def check_layer(layer: MLALayerSpec) -> None:
     """The kernels tile the latent, rope and indexer dims whole: powers of two from 16."""
     dims = {"kv_lora_rank": layer.kv_lora_rank, "qk_rope_head_dim": layer.qk_rope_head_dim}
-    if layer.index_topk:
+    if layer.index_head_dim:  # a sparse layer with an indexer of its own
         dims["index_head_dim"] = layer.index_head_dim
     for name, dim in dims.items():
         if dim < 16 or dim & (dim - 1):
@@ -409,11 +425,11 @@ def check_layer(layer: MLALayerSpec) -> None:
                              f"got {dim}; choose another backend for this model")
 
 
-def check_inputs(layer, q_nope, q_pe, kv_c, k_pe, kv_cache, w_uk, w_uv, indexer, block_size) -> None:
+def check_inputs(layer, q_nope, q_pe, kv_c, k_pe, kv_cache, w_uk, w_uv, indexer, block_size, selected=None) -> None:
     """The contract's shapes (``weir.mla.check_forward_inputs``), the shapes the kernels take, and
     unit last strides of everything they read; clear errors."""
     check_layer(layer)
-    named = check_forward_inputs(layer, q_nope, q_pe, kv_c, k_pe, kv_cache, w_uk, w_uv, indexer, block_size)
+    named = check_forward_inputs(layer, q_nope, q_pe, kv_c, k_pe, kv_cache, w_uk, w_uv, indexer, block_size, selected)
     for name, tensor in named.items():
         if tensor.stride(-1) != 1:
             raise ValueError(f"MLA layer {layer.layer_idx}: {name} must have a unit last stride, got {tensor.stride()}")

@@ -29,7 +29,7 @@ from weir.layer_cache import ForwardContext
 from weir.layers import Fp32Linear, GatedMLP, LMHead, Linear, MergedLinear, RMSNorm, RotaryEmbedding, VocabEmbedding
 from weir.layers.moe import PER_EXPERT_PATTERNS, FusedExperts
 from weir.layers.rotary import InterleavedRotaryEmbedding, rope_parameters_of
-from weir.mla import IndexerInputs, MLALayerSpec
+from weir.mla import IndexerInputs, MLALayerSpec, SelectedKeys
 from weir.moe import Routing
 from weir.spec_decode.draft_head import TargetSharedHead
 
@@ -104,7 +104,7 @@ class MLAAttention(nn.Module):
     ``(qk_nope + qk_rope) ** -0.5`` (no YaRN mscale)."""
 
     def __init__(self, hf_config: Any, layer_idx: int, rotary_emb: RotaryEmbedding | None,
-                 indexer: nn.Module | None = None):
+                 indexer: nn.Module | None = None, shares_topk: bool = False):
         super().__init__()
         hidden = hf_config.hidden_size
         self.num_heads = hf_config.num_attention_heads
@@ -128,7 +128,9 @@ class MLAAttention(nn.Module):
         self.rotary_emb = rotary_emb
         self.indexer = indexer
         index_fields = {}
-        if indexer is not None:
+        if shares_topk:  # sparse without an indexer: the keys the last layer with one picked
+            index_fields = dict(index_topk=hf_config.index_topk, shares_topk=True)
+        elif indexer is not None:
             if not self.q_lora_rank:
                 raise ValueError("sparse (DSA) MLA layers need q_lora_rank: the indexer reads the q latent")
             index_fields = dict(index_n_heads=indexer.num_heads, index_head_dim=indexer.head_dim,
@@ -148,7 +150,9 @@ class MLAAttention(nn.Module):
         self.w_uk = per_head[:, : self.qk_nope_head_dim]  # [H, qk_nope, kv_lora_rank]
         self.w_uv = per_head[:, self.qk_nope_head_dim:]  # [H, v_head_dim, kv_lora_rank]
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext,
+                selected: SelectedKeys | None = None) -> torch.Tensor:
+        """``selected``: the forward's shared top-k, for models with layers that share one."""
         num_tokens = hidden_states.shape[0]
         q_part, kv_a = self.fused_qkv_a_proj.split(self.fused_qkv_a_proj(hidden_states))
         q_latent = None
@@ -169,8 +173,8 @@ class MLAAttention(nn.Module):
             indexer_inputs = self.indexer(positions, hidden_states, q_latent)
         layer = ctx.layers[self.spec.layer_idx]
         attn_out = layer.backend.forward(self.spec, q_nope, q_pe, kv_c, k_pe, layer.cache,
-                                         layer.metadata, self.w_uk, self.w_uv,
-                                         indexer=indexer_inputs)  # [num_tokens, H, v_head_dim]
+                                         layer.metadata, self.w_uk, self.w_uv, indexer=indexer_inputs,
+                                         selected=selected)  # [num_tokens, H, v_head_dim]
         expected = (num_tokens, self.num_heads, self.v_head_dim)
         if tuple(attn_out.shape) != expected or attn_out.dtype != hidden_states.dtype:
             raise RuntimeError(f"MLA backend {layer.backend.name!r} returned {attn_out.dtype} "
@@ -288,13 +292,14 @@ class DeepseekDecoderLayer(nn.Module):
         hidden_states: torch.Tensor,  # [num_tokens, hidden]
         residual: torch.Tensor | None,  # [num_tokens, hidden]; None before the first layer
         ctx: ForwardContext,
+        selected: SelectedKeys | None = None,  # the forward's shared top-k (MLAAttention.forward)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, ctx)
+        hidden_states = self.self_attn(positions, hidden_states, ctx, selected)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states, ctx), residual
 
@@ -434,10 +439,15 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.rotary_emb = mla_rotary_of(type(self), hf_config, config.max_model_len)
         self.model = nn.Module()
         self.model.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size)
-        self.model.layers = nn.ModuleList(
-            DeepseekDecoderLayer(hf_config, layer_idx, MLAAttention(
-                hf_config, layer_idx, self.rotary_emb, self.make_indexer(hf_config, layer_idx, config.max_model_len)))
-            for layer_idx in range(num_layers))
+        layers = []
+        for layer_idx in range(num_layers):
+            shared = self.shares_topk(hf_config, layer_idx)
+            indexer = None if shared else self.make_indexer(hf_config, layer_idx, config.max_model_len)
+            layers.append(DeepseekDecoderLayer(hf_config, layer_idx, MLAAttention(
+                hf_config, layer_idx, self.rotary_emb, indexer, shares_topk=shared)))
+        self.model.layers = nn.ModuleList(layers)
+        # Layers that share a top-k read the one the forward's last layer with an indexer left.
+        self.has_shared_topk = any(layer.self_attn.spec.shares_topk for layer in self.model.layers)
         self.model.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         tied = self.model.embed_tokens if getattr(hf_config, "tie_word_embeddings", False) else None
         self.lm_head = LMHead(hf_config.hidden_size, hf_config.vocab_size, tie_to=tied)
@@ -446,11 +456,17 @@ class DeepseekV3ForCausalLM(nn.Module):
         """The layer's lightning indexer; None: a dense MLA layer (every DeepSeek-V3 layer)."""
         return None
 
+    def shares_topk(self, hf_config: Any, layer_idx: int) -> bool:
+        """Whether the layer is sparse with no indexer of its own, attending to the keys the last
+        layer before it with one picked (GLM-5's "shared" layers)."""
+        return False
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         hidden_states = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         residual = None
+        selected = SelectedKeys() if self.has_shared_topk else None
         for layer in self.model.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual, ctx)
+            hidden_states, residual = layer(positions, hidden_states, residual, ctx, selected)
         hidden_states, _ = self.model.norm(hidden_states, residual)
         return hidden_states  # [num_tokens, hidden]
 

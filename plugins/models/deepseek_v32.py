@@ -10,8 +10,8 @@ interleaved pairs for GLM-5) from the same cos/sin as MLA; head weights
 ``sum_g w_g relu(q_g . k * index_head_dim ** -0.5)``. relu commutes with the positive scale, so
 ``index_head_dim ** -0.5`` is folded into the weights (``weir.mla.IndexerInputs``).
 
-GLM-5's "shared" indexer layers (which reuse the previous layer's top-k) are not supported yet: a
-config with any is refused by name.
+GLM-5's "shared" indexer layers have no indexer: they attend to the keys the last layer before
+them with one picked (``weir.mla.SelectedKeys``, one per forward).
 """
 
 from __future__ import annotations
@@ -107,18 +107,32 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
 
 
 class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):
-    """GLM-5: DeepSeek-V3.2's layers with interleaved indexer RoPE. Only configs whose every
-    layer runs its own indexer (``indexer_types`` all "full") are served. Its MTP module has no
-    draft head yet (none has been checked against a reference)."""
+    """GLM-5: DeepSeek-V3.2's layers with interleaved indexer RoPE, where the layers that
+    ``indexer_types`` names "shared" have no indexer (nor indexer cache) and attend to the keys
+    the last "full" layer before them picked, as transformers' ``prev_topk_indices``. Its MTP
+    module has no draft head yet (none has been checked against a reference)."""
 
     indexer_rope_interleaved = True
     mtp_head_class = None
 
     def __init__(self, config: ModelConfig):
-        indexer_types = list(getattr(config.hf_config, "indexer_types", None) or [])
-        shared = [index for index, kind in enumerate(indexer_types) if kind != "full"]
-        if shared:
-            raise ValueError(f"{type(self).__name__}: layers {shared} reuse another layer's top-k "
-                             f"(indexer_types 'shared'), which Weir does not support yet; only configs whose "
-                             f"indexer_types are all 'full' are served")
+        hf_config = config.hf_config
+        indexer_types = self.indexer_types(hf_config)
+        unknown = sorted({kind for kind in indexer_types if kind not in ("full", "shared")})
+        if unknown or len(indexer_types) != hf_config.num_hidden_layers:
+            raise ValueError(f"{type(self).__name__}: indexer_types must name 'full' or 'shared' for each of the "
+                             f"{hf_config.num_hidden_layers} layers, got {indexer_types}")
+        if indexer_types and indexer_types[0] == "shared":
+            raise ValueError(f"{type(self).__name__}: layer 0 is 'shared' in indexer_types, but a shared layer "
+                             f"reuses the top-k of a 'full' layer before it")
         super().__init__(config)
+
+    @staticmethod
+    def indexer_types(hf_config: Any) -> list[str]:
+        """Each layer's indexer kind (transformers' config derives it from ``index_topk_freq``
+        and ``index_topk_pattern`` when the checkpoint lists none; every layer "full" without them)."""
+        kinds = getattr(hf_config, "indexer_types", None)
+        return list(kinds) if kinds else ["full"] * hf_config.num_hidden_layers
+
+    def shares_topk(self, hf_config: Any, layer_idx: int) -> bool:
+        return self.indexer_types(hf_config)[layer_idx] == "shared"
