@@ -144,9 +144,12 @@ def check_forward_inputs(layer: MLALayerSpec, q_nope: torch.Tensor, q_pe: torch.
     ``MLABackend.forward`` (shapes only: nothing is read from the device); ``block_size``, when
     given, is the cache's too. Returns the inputs by name, for a backend's own checks (strides)."""
     if layer.shares_topk:
-        if indexer is not None or selected is None:
-            raise ValueError(f"MLA layer {layer.layer_idx} shares another layer's top-k: forward takes no indexer "
-                             f"inputs and needs the forward's SelectedKeys")
+        if indexer is not None:
+            raise ValueError(f"MLA layer {layer.layer_idx} shares another layer's top-k (it has no indexer) but "
+                             f"forward got indexer inputs")
+        if selected is None:
+            raise ValueError(f"MLA layer {layer.layer_idx} shares another layer's top-k but forward got no "
+                             f"SelectedKeys to read it from")
     elif layer.kind == SPARSE_MLA and indexer is None:
         raise ValueError(f"MLA layer {layer.layer_idx} is sparse (index_topk={layer.index_topk}) but forward "
                          f"got no indexer inputs")

@@ -141,6 +141,22 @@ def test_unserved_configs_are_refused_by_name(tmp_path):
         LLM(str(glm), device="cpu", dtype="float32")
 
 
+def test_glm_indexer_types_come_from_the_config():
+    """transformers derives ``indexer_types`` from ``index_topk_freq`` / ``index_topk_pattern``;
+    a config that has only those (a transformers too old to derive them) is refused by name,
+    not served with every layer "full"."""
+    from types import SimpleNamespace
+
+    from weir.plugins.models.deepseek_v32 import GlmMoeDsaForCausalLM
+
+    kinds = GlmMoeDsaForCausalLM.indexer_types
+    assert kinds(SimpleNamespace(num_hidden_layers=2)) == ["full", "full"]
+    assert kinds(SimpleNamespace(num_hidden_layers=2, indexer_types=("full", "shared"))) == ["full", "shared"]
+    for derived_from in (dict(index_topk_freq=4), dict(index_topk_pattern="FSSF")):
+        with pytest.raises(ValueError, match=f"sets {next(iter(derived_from))} but no indexer_types"):
+            kinds(SimpleNamespace(num_hidden_layers=4, indexer_types=None, **derived_from))
+
+
 def test_keep_fp32_params_must_name_parameters():
     from weir.weights.loader import _keep_fp32_params
 

@@ -240,6 +240,34 @@ def check_qk_norm_rope_matches_the_separate_kernels(device):
             assert torch.equal(out_q, expected_q) and torch.equal(out_k, expected_k)
 
 
+def check_rotate_in_place_on_the_first_dims(device):
+    """The lightning indexer's layout: RoPE on the first 16 of each head's 48 dims, q of 8 heads and
+    k of one, rotated in place through views (the Triton kernel on CUDA, the torch result copied
+    back elsewhere), rotate_half (DeepSeek-V3.2) and interleaved (GLM-5); the other dims untouched."""
+    from weir.layers.rotary import InterleavedRotaryEmbedding
+
+    num_tokens, num_heads, rope_dim, head_dim = 19, 8, 16, 48
+    config = LlamaConfig(hidden_size=256, num_attention_heads=num_heads, head_dim=rope_dim,
+                         max_position_embeddings=512)
+    for dtype in DTYPES:
+        for rope in (_rope(rope_dim, device, dtype, head_dim=rope_dim),
+                     InterleavedRotaryEmbedding(config, rope_dim, 512, rotary_dim=rope_dim)):
+            rope.cos_sin_cache = rope.cos_sin_cache.to(dtype)
+            rope.materialize_buffers(torch.device(device))
+            q = _randn(num_tokens, num_heads, head_dim, device=device, dtype=dtype, seed=18)
+            k = _randn(num_tokens, 1, head_dim, device=device, dtype=dtype, seed=19)
+            q_before, k_before = q.clone(), k.clone()
+            positions = torch.randint(0, 512, (num_tokens,), generator=torch.Generator().manual_seed(9)).to(device)
+            with forced_torch_ops():
+                expected_q, expected_k = rope(positions, q[..., :rope_dim].contiguous(), k[..., :rope_dim].contiguous())
+            rope.rotate_in_place(positions, q[..., :rope_dim], k[..., :rope_dim])
+            assert torch.equal(q[..., rope_dim:], q_before[..., rope_dim:])
+            assert torch.equal(k[..., rope_dim:], k_before[..., rope_dim:])
+            assert not torch.equal(q[..., :rope_dim], q_before[..., :rope_dim])  # it did rotate
+            # The torch path (CPU) does the same ops; the kernel (CUDA) rounds as torch does: bit for bit.
+            assert torch.equal(q[..., :rope_dim], expected_q) and torch.equal(k[..., :rope_dim], expected_k)
+
+
 CHECKS = [
     check_rms_norm,
     check_rms_norm_of_strided_heads,
@@ -247,6 +275,7 @@ CHECKS = [
     check_silu_and_mul,
     check_rotary_in_place,
     check_interleaved_rotary_in_place,
+    check_rotate_in_place_on_the_first_dims,
     check_qk_norm_rope_qwen3,
     check_qk_norm_rope_zero_centered_partial,
     check_qk_norm_rope_matches_the_separate_kernels,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers_mla import check_mla_against_reference, dense_oracle, make_mla_case, mla_layer, sparse_layer
-from weir.mla import IndexerInputs
+from weir.mla import IndexerInputs, SelectedKeys
 from weir.plugins.attention.mla_torch import TorchMLABackend
 
 # (query_lens, seq_lens): fresh varlen prefill, chunks after a cached prefix, mixed prefill and
@@ -85,6 +85,31 @@ def test_sparsity_changes_the_result():
     assert (sparse - as_dense).abs().max() > 0.1
     flipped = dataclasses.replace(case, indexer=IndexerInputs(case.indexer.q, case.indexer.k, -case.indexer.weights))
     assert (run(backend(False), flipped) - run(backend(False), case)).abs().max() > 0.1
+
+
+def test_a_layer_sharing_a_topk_attends_to_the_keys_the_last_indexer_picked():
+    """GLM-5's shared layers: no indexer, no indexer columns in the cache; with the SelectedKeys
+    a sparse layer left, the same queries and keys give that layer's output to the bit (and not
+    the dense one). Without a pick, or with indexer inputs, it refuses by name."""
+    query_lens, seq_lens = BATCHES["mixed"]
+    case = make_mla_case(query_lens, seq_lens, sparse_layer(3), num_padding_tokens=1)
+    selected = SelectedKeys()
+    sparse_out = backend(False).forward(*case.args(case.kv_cache.clone()), indexer=case.indexer, selected=selected)
+    assert selected.keys is not None
+    sharing = dataclasses.replace(case.layer, layer_idx=1, index_n_heads=0, index_head_dim=0, shares_topk=True)
+    shared = dataclasses.replace(case, layer=sharing, indexer=None,
+                                 kv_cache=case.kv_cache[..., : sharing.cache_dim].contiguous())
+    shared_out = backend(False).forward(*shared.args(shared.kv_cache.clone()), selected=selected)
+    torch.testing.assert_close(shared_out, sparse_out, atol=0, rtol=0)
+    dense_layer = mla_layer()
+    dense = dataclasses.replace(shared, layer=dense_layer)
+    assert (run(backend(False), dense) - shared_out).abs().max() > 0.1
+    with pytest.raises(RuntimeError, match="no sparse layer with an indexer ran before it"):
+        backend(False).forward(*shared.args(shared.kv_cache.clone()), selected=SelectedKeys())
+    with pytest.raises(ValueError, match="shares another layer's top-k but forward got no SelectedKeys"):
+        backend(False).forward(*shared.args(shared.kv_cache.clone()))
+    with pytest.raises(ValueError, match=r"shares another layer's top-k \(it has no indexer\) but forward got"):
+        backend(False).forward(*shared.args(shared.kv_cache.clone()), indexer=case.indexer, selected=selected)
 
 
 def test_the_step_rows_are_stored_at_their_slots():

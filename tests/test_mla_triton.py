@@ -426,7 +426,7 @@ def check_layers_sharing_a_topk(device: str) -> None:
             assert error < TOLERANCE[torch.float32], f"request {req}: relative error {error:.2e}"
         with pytest.raises(RuntimeError, match="no sparse layer with an indexer ran before it"):
             backend.forward(*shared.args(shared.kv_cache.clone()), selected=SelectedKeys())
-        with pytest.raises(ValueError, match="shares another layer's top-k"):
+        with pytest.raises(ValueError, match="shares another layer's top-k but forward got no SelectedKeys"):
             backend.forward(*shared.args(shared.kv_cache.clone()))
 
 
@@ -715,7 +715,9 @@ def test_gpu_deepseek_dense_bf16(batch, block_size, kernel):
 
 @cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("topk", [None, (16384, False), (4096, False)], ids=["default", "radix", "streamed"])
+# (block, counting): rows past a 4096 block stream while shorter ones of the launch stay resident.
+@pytest.mark.parametrize("topk", [None, (16384, False), (4096, False), (4096, True)],
+                         ids=["default", "radix", "mixed_radix", "mixed_counting"])
 @pytest.mark.parametrize("batch", list(GPU_SPARSE_BATCHES))
 @pytest.mark.parametrize("kernel", ["wgmma", "triton"])
 def test_gpu_deepseek_sparse_bf16(batch, topk, kernel):

@@ -272,8 +272,9 @@ SCORE_TILES = (ScoreTiles(2, 128, 4, 3), ScoreTiles(2, 128, 8, 3), ScoreTiles(4,
 def indexer_sweep(backend, block_size: int) -> None:
     """The indexer's scores and top-k, alone, on prefill steps (one score-buffer pass of rows at
     the end of the prompt, where rows are longest): each score kernel and tile set, then each
-    top-k search; and on decode at B=32, eager and as a graph runs it (max_seq_len the
-    long-context workload's max_model_len, past the top-k's register block)."""
+    top-k search; and on decode at B=32, the top-k at the step's own longest sequence and at the
+    bound a CUDA graph bakes (the long-context workload's max_model_len, past the top-k's
+    register block)."""
     layer = layer_spec(True)
     for query_len, seq_len in ((2048, 16384), (4096, 16000)):
         inputs = make_step(layer, [query_len], [seq_len], block_size)

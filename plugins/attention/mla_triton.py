@@ -58,9 +58,9 @@ MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
 SPLIT_TARGET_WAVES = 2  # aim for this many programs per SM before splitting stops paying
 # A score row of at most this many keys stays in registers while the top-k bisects its threshold
-# (on an H200 at 16k keys: 46 us for 32 rows, against 72 us for radix passes streaming 8k blocks).
+# (on an H200 at 16k keys, faster than radix passes streaming blocks of 8k).
 TOPK_BLOCK = 16384
-TOPK_RESIDENT_WARPS = 16  # 32 registers of keys a thread; 8 warps took 53 us there
+TOPK_RESIDENT_WARPS = 16  # 32 registers of keys a thread; timed faster than 8 warps for resident rows
 # Key tiles one indexer-score program covers, loading its tokens' q once (for the one-token kernel
 # 1 and 4 timed the same on an H200 at decode B=32 and 256; 4 launches a quarter of the programs).
 SCORE_TILES_PER_PROGRAM = 4
@@ -213,7 +213,9 @@ class TritonMLABackend(MLABackend):
     def warmup_shapes(self, layer: MLALayerSpec, max_prefill_len: int, decode_batches: list[int],
                       decode_seq_len: int) -> list[tuple[list[int], list[int]]]:
         """One shape per kernel variant: prefill (no splits), each decode split class, and for
-        sparse layers a prefill past ``index_topk`` with all score rows resident, and one with rows of both paths."""
+        sparse layers two prefills past ``index_topk``: just past it (every score row resident)
+        and at ``decode_seq_len`` (the top-k's variant that may stream, when that is past its
+        resident block)."""
         candidates = super().warmup_shapes(layer, max_prefill_len, decode_batches, decode_seq_len)
         if layer.index_topk:
             for seq_len in (min(layer.index_topk + 2, decode_seq_len), decode_seq_len):
@@ -350,7 +352,8 @@ class TritonMLABackend(MLABackend):
             scores, topk, metadata.seq_lens, metadata.query_start_loc,
             metadata.num_reqs, first_token, layer.index_topk, scores.stride(0), topk.stride(0),
             BLOCK_S=self.topk_block, ALL_FIT=all_fit, COUNTING=self.topk_counting,
-            # Streamed radix passes ran slower with 16 warps; resident rows take 53 us with 8, 46 with 16.
+            # Streamed radix passes ran slower with 16 warps, so a launch that may stream takes 8
+            # (its resident rows too: a CUDA graph's decode at max_model_len runs this variant).
             num_warps=self.topk_warps if all_fit else 8,
         )
 

@@ -149,10 +149,10 @@ def byte_histogram(keys, valid, prefix, PASS: tl.constexpr):
 
 @triton.jit
 def row_histogram(scores_row, num_keys, prefix, resident, PASS: tl.constexpr, BLOCK_S: tl.constexpr,
-                  SINGLE: tl.constexpr):
-    """``byte_histogram`` over the whole row: the resident keys (``SINGLE``) or block by block."""
+                  RESIDENT: tl.constexpr):
+    """``byte_histogram`` over the whole row: the resident keys (``RESIDENT``) or block by block."""
     offsets = tl.arange(0, BLOCK_S)
-    if SINGLE:
+    if RESIDENT:
         hist = byte_histogram(resident, offsets < num_keys, prefix, PASS)
     else:
         hist = tl.zeros([256], tl.int32)
@@ -176,13 +176,13 @@ def keep_block(out_row, positions, keys, valid, threshold, wanted, kept, equal_s
 
 
 @triton.jit
-def kth_largest_by_radix(scores_row, num_keys, resident, topk, BLOCK_S: tl.constexpr, SINGLE: tl.constexpr):
+def kth_largest_by_radix(scores_row, num_keys, resident, topk, BLOCK_S: tl.constexpr, RESIDENT: tl.constexpr):
     """``(k-th largest key, how many keys equal to it belong to the top k)``, a byte a pass."""
     bins = tl.arange(0, 256)
     prefix = tl.zeros([], tl.int32)
     wanted = tl.zeros([], tl.int32) + topk  # how many of the keys still in the running to keep
     for PASS in tl.static_range(4):
-        hist = row_histogram(scores_row, num_keys, prefix, resident, PASS, BLOCK_S, SINGLE)
+        hist = row_histogram(scores_row, num_keys, prefix, resident, PASS, BLOCK_S, RESIDENT)
         at_or_above = tl.cumsum(hist, axis=0, reverse=True)  # [256] keys with this byte or a higher one
         chosen = tl.max(tl.where(at_or_above >= wanted, bins, 0), axis=0)  # the k-th largest's byte
         wanted -= tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
@@ -260,7 +260,7 @@ def topk_kernel(
         return
 
     scores_row = scores_ptr + row.to(tl.int64) * stride_sr
-    if ALL_FIT:
+    if ALL_FIT:  # the same call as below, but the streamed path is not compiled into this variant
         topk_of_resident_row(scores_row, out_row, num_keys, topk, BLOCK_S, COUNTING)
     elif num_keys <= BLOCK_S:
         topk_of_resident_row(scores_row, out_row, num_keys, topk, BLOCK_S, COUNTING)

@@ -172,9 +172,12 @@ class MLAAttention(nn.Module):
         if self.indexer is not None:
             indexer_inputs = self.indexer(positions, hidden_states, q_latent)
         layer = ctx.layers[self.spec.layer_idx]
-        attn_out = layer.backend.forward(self.spec, q_nope, q_pe, kv_c, k_pe, layer.cache,
-                                         layer.metadata, self.w_uk, self.w_uv, indexer=indexer_inputs,
-                                         selected=selected)  # [num_tokens, H, v_head_dim]
+        # Only models with shared top-k layers hand ``selected`` on: backends written before it
+        # existed keep serving every other model.
+        shared = {} if selected is None else {"selected": selected}
+        attn_out = layer.backend.forward(self.spec, q_nope, q_pe, kv_c, k_pe, layer.cache, layer.metadata,
+                                         self.w_uk, self.w_uv, indexer=indexer_inputs,
+                                         **shared)  # [num_tokens, H, v_head_dim]
         expected = (num_tokens, self.num_heads, self.v_head_dim)
         if tuple(attn_out.shape) != expected or attn_out.dtype != hidden_states.dtype:
             raise RuntimeError(f"MLA backend {layer.backend.name!r} returned {attn_out.dtype} "

@@ -129,10 +129,19 @@ class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):
 
     @staticmethod
     def indexer_types(hf_config: Any) -> list[str]:
-        """Each layer's indexer kind (transformers' config derives it from ``index_topk_freq``
-        and ``index_topk_pattern`` when the checkpoint lists none; every layer "full" without them)."""
+        """Each layer's indexer kind: ``indexer_types``, which transformers' config derives from
+        ``index_topk_freq`` and ``index_topk_pattern`` when the checkpoint lists none; every layer
+        "full" when the config has none of the three."""
         kinds = getattr(hf_config, "indexer_types", None)
-        return list(kinds) if kinds else ["full"] * hf_config.num_hidden_layers
+        if kinds:
+            return list(kinds)
+        derived_from = [name for name in ("index_topk_freq", "index_topk_pattern")
+                        if getattr(hf_config, name, None) not in (None, 1, "")]
+        if derived_from:  # a transformers too old to derive the list: its layers are unknown here
+            raise ValueError(f"the config sets {', '.join(derived_from)} but no indexer_types, which "
+                             f"this transformers does not derive from them; list indexer_types in the "
+                             f"checkpoint's config.json or upgrade transformers")
+        return ["full"] * hf_config.num_hidden_layers
 
     def shares_topk(self, hf_config: Any, layer_idx: int) -> bool:
         return self.indexer_types(hf_config)[layer_idx] == "shared"
