@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
@@ -100,6 +100,21 @@ class SelectedKeys:
     serves every layer of a kind), None until such a layer attended sparsely."""
 
     keys: object = None
+
+
+def attended_keys(layer: MLALayerSpec, selected: SelectedKeys | None, pick: Callable[[], object]) -> object:
+    """The keys a sparse step of ``layer`` attends to, in the backend's form: for a layer sharing a
+    top-k those in ``selected``; otherwise ``pick()``'s, left in ``selected`` (when given) for the
+    layers after it."""
+    if layer.shares_topk:
+        if selected.keys is None:
+            raise RuntimeError(f"MLA layer {layer.layer_idx} shares the top-k of an earlier layer, but no "
+                               f"sparse layer with an indexer ran before it in this forward")
+        return selected.keys
+    keys = pick()
+    if selected is not None:
+        selected.keys = keys
+    return keys
 
 
 class MLABackend(AttentionBackend):

@@ -149,7 +149,7 @@ def test_glm_indexer_types_come_from_the_config():
 
     from weir.plugins.models.deepseek_v32 import GlmMoeDsaForCausalLM
 
-    kinds = GlmMoeDsaForCausalLM.indexer_types
+    kinds = GlmMoeDsaForCausalLM.checked_indexer_types
     assert kinds(SimpleNamespace(num_hidden_layers=2)) == ["full", "full"]
     assert kinds(SimpleNamespace(num_hidden_layers=2, indexer_types=("full", "shared"))) == ["full", "shared"]
     for derived_from in (dict(index_topk_freq=4), dict(index_topk_pattern="FSSF")):

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from weir.attention import AttentionMetadata
-from weir.mla import MLA, SPARSE_MLA, IndexerInputs, MLABackend, MLALayerSpec, SelectedKeys, check_forward_inputs
+from weir.mla import (MLA, SPARSE_MLA, IndexerInputs, MLABackend, MLALayerSpec, SelectedKeys, attended_keys,
+                      check_forward_inputs)
 
 
 def store_mla_rows(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
@@ -138,15 +139,9 @@ class TorchMLABackend(MLABackend):
         latent = step.rows[..., : layer.kv_lora_rank]  # [R, S, C]
         rope_keys = step.rows[..., layer.kv_lora_rank: layer.latent_dim]  # [R, S, P]
         visible = step.causal
-        if layer.shares_topk:
-            visible = selected.keys
-            if visible is None:
-                raise RuntimeError(f"MLA layer {layer.layer_idx} shares the top-k of an earlier layer, but no "
-                                   f"sparse layer with an indexer ran before it in this forward")
-        elif indexer is not None:
-            visible = indexer_keep_mask(indexer, step.rows[..., layer.latent_dim:], step, layer.index_topk)
-            if selected is not None:
-                selected.keys = visible
+        if layer.kind == SPARSE_MLA:
+            visible = attended_keys(layer, selected, lambda: indexer_keep_mask(
+                indexer, step.rows[..., layer.latent_dim:], step, layer.index_topk))
 
         queries_nope = q_nope.float()[step.token_of]  # [R, Q, H, N]
         queries_pe = q_pe.float()[step.token_of]  # [R, Q, H, P]

@@ -42,7 +42,8 @@ import torch
 import triton
 
 from weir.attention import AttentionMetadata
-from weir.mla import MLA, SPARSE_MLA, IndexerInputs, MLABackend, MLALayerSpec, SelectedKeys, check_forward_inputs
+from weir.mla import (MLA, SPARSE_MLA, IndexerInputs, MLABackend, MLALayerSpec, SelectedKeys, attended_keys,
+                      check_forward_inputs)
 from weir.plugins.attention.mla_triton_indexer import (indexer_block_scores_kernel, indexer_scores_kernel, topk_kernel,
                                                        topk_slots_kernel)
 from weir.plugins.attention.mla_triton_kernels import mla_attention_kernel, mla_reduce_kernel, store_latent_kernel
@@ -251,7 +252,11 @@ class TritonMLABackend(MLABackend):
             return out
         self.store(layer, kv_c, k_pe, indexer, kv_cache, metadata.slot_mapping[:num_tokens])
         plan = self.plan(layer, num_tokens, metadata.max_query_len, metadata.max_seq_len)
-        topk_slots = self.selected_slots(layer, indexer, kv_cache, metadata, selected) if plan.sparse else None
+        # Every layer of the kind shares one block table per request (one cache group), so the slot
+        # lists a layer picked hold for the layers sharing its top-k.
+        topk_slots = None
+        if plan.sparse:
+            topk_slots = attended_keys(layer, selected, lambda: self.topk_slots(layer, indexer, kv_cache, metadata))
         q_lat = torch.bmm(q_nope[:num_tokens].transpose(0, 1), w_uk)  # [H, T, kv_lora_rank]
         o_lat = torch.empty_like(q_lat)  # [H, T, kv_lora_rank]
         self.attend(layer, q_lat, q_pe, kv_cache, metadata, o_lat, plan, topk_slots)
@@ -296,21 +301,6 @@ class TritonMLABackend(MLABackend):
             BLOCK_SIZE=kv_cache.shape[1], BLOCK_K=min(1024, triton.next_power_of_2(layer.index_topk)), num_warps=4,
         )
         return topk
-
-    def selected_slots(self, layer: MLALayerSpec, indexer: IndexerInputs | None, kv_cache: torch.Tensor,
-                       metadata: AttentionMetadata, selected: SelectedKeys | None) -> torch.Tensor:
-        """The slot lists a sparse step of ``layer`` attends to: its own (left in ``selected``),
-        or, for a layer sharing a top-k, those in ``selected``. Every layer of the kind shares
-        one block table per request (one cache group), so a slot list holds for all of them."""
-        if layer.shares_topk:
-            if selected.keys is None:
-                raise RuntimeError(f"MLA layer {layer.layer_idx} shares the top-k of an earlier layer, but no "
-                                   f"sparse layer with an indexer ran before it in this forward")
-            return selected.keys
-        slots = self.topk_slots(layer, indexer, kv_cache, metadata)
-        if selected is not None:
-            selected.keys = slots
-        return slots
 
     def indexer_scores(self, layer: MLALayerSpec, indexer: IndexerInputs, kv_cache: torch.Tensor,
                        metadata: AttentionMetadata, scores: torch.Tensor, first_token: int, rows: int) -> None:

@@ -116,32 +116,32 @@ class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):
     mtp_head_class = None
 
     def __init__(self, config: ModelConfig):
-        hf_config = config.hf_config
-        indexer_types = self.indexer_types(hf_config)
-        unknown = sorted({kind for kind in indexer_types if kind not in ("full", "shared")})
-        if unknown or len(indexer_types) != hf_config.num_hidden_layers:
-            raise ValueError(f"{type(self).__name__}: indexer_types must name 'full' or 'shared' for each of the "
-                             f"{hf_config.num_hidden_layers} layers, got {indexer_types}")
-        if indexer_types and indexer_types[0] == "shared":
-            raise ValueError(f"{type(self).__name__}: layer 0 is 'shared' in indexer_types, but a shared layer "
-                             f"reuses the top-k of a 'full' layer before it")
+        # Read before the layers are built: shares_topk answers from it.
+        self.layer_indexer_types = self.checked_indexer_types(config.hf_config)
         super().__init__(config)
 
-    @staticmethod
-    def indexer_types(hf_config: Any) -> list[str]:
-        """Each layer's indexer kind: ``indexer_types``, which transformers' config derives from
-        ``index_topk_freq`` and ``index_topk_pattern`` when the checkpoint lists none; every layer
-        "full" when the config has none of the three."""
+    @classmethod
+    def checked_indexer_types(cls, hf_config: Any) -> list[str]:
+        """Each layer's indexer kind, "full" or "shared": ``indexer_types``, which transformers'
+        config derives from ``index_topk_freq`` and ``index_topk_pattern`` when the checkpoint
+        lists none; every layer "full" when the config has none of the three."""
         kinds = getattr(hf_config, "indexer_types", None)
-        if kinds:
-            return list(kinds)
-        derived_from = [name for name in ("index_topk_freq", "index_topk_pattern")
-                        if getattr(hf_config, name, None) not in (None, 1, "")]
-        if derived_from:  # a transformers too old to derive the list: its layers are unknown here
-            raise ValueError(f"the config sets {', '.join(derived_from)} but no indexer_types, which "
-                             f"this transformers does not derive from them; list indexer_types in the "
-                             f"checkpoint's config.json or upgrade transformers")
-        return ["full"] * hf_config.num_hidden_layers
+        if not kinds:
+            derived_from = [name for name in ("index_topk_freq", "index_topk_pattern")
+                            if getattr(hf_config, name, None) not in (None, 1, "")]
+            if derived_from:  # a transformers too old to derive the list: its layers are unknown here
+                raise ValueError(f"the config sets {', '.join(derived_from)} but no indexer_types, which "
+                                 f"this transformers does not derive from them; list indexer_types in the "
+                                 f"checkpoint's config.json or upgrade transformers")
+            return ["full"] * hf_config.num_hidden_layers
+        kinds = list(kinds)
+        if any(kind not in ("full", "shared") for kind in kinds) or len(kinds) != hf_config.num_hidden_layers:
+            raise ValueError(f"{cls.__name__}: indexer_types must name 'full' or 'shared' for each of the "
+                             f"{hf_config.num_hidden_layers} layers, got {kinds}")
+        if kinds[0] == "shared":
+            raise ValueError(f"{cls.__name__}: layer 0 is 'shared' in indexer_types, but a shared layer "
+                             f"reuses the top-k of a 'full' layer before it")
+        return kinds
 
     def shares_topk(self, hf_config: Any, layer_idx: int) -> bool:
-        return self.indexer_types(hf_config)[layer_idx] == "shared"
+        return self.layer_indexer_types[layer_idx] == "shared"
